@@ -1,0 +1,127 @@
+"""Process launch environment: who am I, how many of us, where is the rendezvous.
+
+Two launchers are understood:
+- ``torchrun`` (or any launcher that sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT);
+- ``srun`` under Slurm without torchrun (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_JOB_NODELIST);
+  the rendezvous host is the first node of the job's node list.
+With neither, the process is a single rank (world size 1) on localhost.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_PORT = 29500
+
+
+class LaunchError(RuntimeError):
+    """The launch environment is inconsistent; the message names the variable and the fix."""
+
+
+@dataclass(frozen=True)
+class ProcessEnv:
+    """Identity of this process in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "slurm" or "single"
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm node list such as ``gpu[01-03,07],login1`` into host names.
+
+    Handles comma-separated entries, bracketed ranges and lists with zero padding, and several bracket
+    groups in one name (``rack[1-2]-n[1-2]``).
+    """
+    hosts: list[str] = []
+    for entry in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", nodelist):
+        parts = re.split(r"\[([^\]]*)\]", entry)
+        expanded = [""]
+        for i, part in enumerate(parts):
+            if i % 2 == 0:
+                expanded = [e + part for e in expanded]
+                continue
+            choices = []
+            for item in part.split(","):
+                if "-" in item:
+                    lo, hi = item.split("-", 1)
+                    choices += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]
+                else:
+                    choices.append(item)
+            expanded = [e + c for e in expanded for c in choices]
+        hosts += [h for h in expanded if h]
+    return hosts
+
+
+def _int(environ: Mapping[str, str], key: str) -> int:
+    value = environ[key]
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchError(f"environment variable {key}={value!r} is not an integer; check the launcher") from None
+
+
+def detect_env(environ: Mapping[str, str] | None = None) -> ProcessEnv:
+    """Read this process's rank, world and rendezvous from torchrun or Slurm variables."""
+    env = os.environ if environ is None else environ
+    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
+        local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
+        addr, launcher = env.get("MASTER_ADDR", "127.0.0.1"), "torchrun"
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        local_world = int(per_node) if per_node.isdigit() else max(1, world // max(1, int(env.get("SLURM_NNODES", 1))))
+        if "MASTER_ADDR" in env:
+            addr = env["MASTER_ADDR"]
+        elif env.get("SLURM_JOB_NODELIST"):
+            addr = expand_nodelist(env["SLURM_JOB_NODELIST"])[0]
+        else:
+            raise LaunchError("SLURM_JOB_NODELIST is empty and MASTER_ADDR is unset; export MASTER_ADDR=<first node>")
+        launcher = "slurm"
+    else:
+        rank, world, local_rank, local_world, addr, launcher = 0, 1, 0, 1, "127.0.0.1", "single"
+    if not 0 <= rank < world:
+        raise LaunchError(f"rank ({rank}) must lie in [0, world_size={world}); check RANK/SLURM_PROCID")
+    return ProcessEnv(rank, world, local_rank, local_world, addr, port, launcher)
+
+
+def default_backend() -> str:
+    """NCCL where CUDA is present, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> ProcessEnv:
+    """Initialise ``torch.distributed`` from the launch environment (idempotent).
+
+    Collectives get ``timeout_s`` so that a dead peer turns into an error instead of a silent hang.
+    On CUDA, the process binds to GPU ``local_rank``.
+    """
+    penv = detect_env()
+    if dist.is_initialized():
+        return penv
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(penv.local_rank)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{penv.master_addr}:{penv.master_port}",
+        rank=penv.rank,
+        world_size=penv.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return penv

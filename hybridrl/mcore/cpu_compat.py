@@ -1,0 +1,195 @@
+"""The CPU compatibility shims for megatron-core: the ONE place that patches torch or megatron.
+
+megatron-core assumes CUDA. On a machine without it (laptops, CI) the same code runs on gloo after these
+patches, each of which is listed in STACK.md ("megatron-core on CPU") and was checked numerically there:
+
+1. ``torch.cuda.current_device()`` returns ``"cpu"`` (Megatron allocates on it in ~150 places);
+2. a CPU RNG-states tracker replaces the CUDA one (attention always forks it) and activation recompute's
+   ``_get/_set_cuda_rng_state`` go to the CPU generator;
+3. (callers pass an explicit causal mask; a ``None`` mask would be built on "cuda": see ``mcore``'s forward);
+4. tensors created with ``device="cuda"`` inside the pipeline schedules, p2p and optimizer modules are
+   created on the CPU instead;
+5. ``torch.cuda.synchronize`` is a no-op;
+6. the model config settings that only work on CPU: :func:`cpu_config_overrides`.
+
+:func:`apply` is idempotent and does nothing when CUDA is available, so GPU runs are never patched.
+A test (``tests/test_house_rules.py``) fails if anything outside this module patches torch or megatron.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+from typing import Any
+
+import torch
+
+_APPLIED = False
+
+# Megatron modules that create tensors with device="cuda" on the training path.
+_DEVICE_ROUTED_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.utils",
+)
+_FACTORIES = frozenset(
+    {"zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like", "full_like"}
+)
+
+
+def needed() -> bool:
+    """True when the shims are required (no usable CUDA device)."""
+    return not torch.cuda.is_available()
+
+
+def is_applied() -> bool:
+    """True once :func:`apply` has patched this process."""
+    return _APPLIED
+
+
+def _to_cpu_device(device: Any) -> Any:
+    if device is None:
+        return None
+    if isinstance(device, int) or str(device).startswith("cuda"):
+        return torch.device("cpu")
+    return device
+
+
+def _route_device(factory: Any) -> Any:
+    @functools.wraps(factory)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
+class _CpuRoutedTorch(types.ModuleType):
+    """Stands in for ``torch`` inside one Megatron module: tensor factories asked for CUDA give CPU tensors."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(torch, name)
+        return _route_device(attr) if name in _FACTORIES else attr
+
+
+class CpuRNGStatesTracker:
+    """Megatron's CUDA RNG-states tracker, on the CPU generator.
+
+    Named states (e.g. the tensor-parallel one used for dropout and init inside TP regions) are forked
+    by swapping the process's CPU generator state in and out, exactly as the CUDA tracker swaps the GPU's.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._is_initialized = False
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise ValueError(f"rng seed {seed} is already tracked")
+        if name in self.states_:
+            raise ValueError(f"rng state {name!r} is already tracked")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise ValueError(f"rng state {name!r} was never added; call hybridrl.mcore.parallel_state.seed() first")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    # Activation recompute saves and restores the "CUDA" generator through torch.cuda.get_rng_state.
+    mrandom.torch = _CpuRoutedTorch()
+    mrandom.torch.cuda = types.SimpleNamespace(
+        **{k: getattr(torch.cuda, k) for k in dir(torch.cuda) if not k.startswith("__")},
+    )
+    mrandom.torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom.torch.cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    mrandom.torch.cuda.manual_seed = lambda seed: None  # the data-parallel seed is the CPU one, set by seed()
+
+
+def seed_model_parallel(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int | None = None) -> None:
+    """CPU replacement of ``model_parallel_cuda_manual_seed``: same seeds, same tracker names."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.manual_seed(seed)
+    tracker = mrandom._CUDA_RNG_STATE_TRACKER
+    tracker.reset()
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(
+        mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME,
+        seed + 1024 + 100 * ep_rank + (tp_rank if etp_rank is None else etp_rank),
+    )
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+
+
+def cpu_config_overrides() -> dict[str, Any]:
+    """TransformerConfig settings required on CPU (STACK.md, shim 6)."""
+    return {
+        "use_cpu_initialization": True,
+        "gradient_accumulation_fusion": False,
+        "apply_rope_fusion": False,
+        "persist_layer_norm": False,
+        "sequence_parallel": False,
+        "masked_softmax_fusion": False,
+        "bias_dropout_fusion": False,
+    }
+
+
+def apply() -> bool:
+    """Patch torch and megatron for CPU execution; returns whether the shims are active.
+
+    Idempotent; a no-op (returning False) when CUDA is available.
+    """
+    global _APPLIED
+    if _APPLIED:
+        return True
+    if not needed():
+        return False
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    for name in _DEVICE_ROUTED_MODULES:
+        importlib.import_module(name).torch = _CpuRoutedTorch()
+    _patch_rng()
+    _APPLIED = True
+    return True

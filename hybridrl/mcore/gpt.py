@@ -1,0 +1,156 @@
+"""Llama-style Megatron GPT models on the active parallel layout, and a forward/backward driver.
+
+This is the substrate the actor, critic and reference roles are built on: a ``TransformerConfig`` with the
+Llama options (RMSNorm, SwiGLU, RoPE, GQA, untied embeddings), the model chunks of this pipeline rank
+(one per virtual stage), and :func:`forward_backward`, which runs micro-batches through Megatron's
+pipeline schedules with a caller-supplied loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
+
+from hybridrl.mcore import cpu_compat
+from hybridrl.mcore.parallel_state import p2p_settings
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """Architecture of a Llama-style decoder (the HF config fields that shape the weights)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+
+def make_config(shape: GPTShape, dtype: torch.dtype = torch.float32, **overrides: Any) -> TransformerConfig:
+    """A ``TransformerConfig`` for ``shape`` on the current Megatron parallel state.
+
+    The TP/PP/VPP sizes come from the initialised process groups; on CPU the shim settings are added and
+    on gloo ``batch_p2p_comm`` is forced off (see :func:`hybridrl.mcore.parallel_state.p2p_settings`).
+    """
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+    kwargs: dict[str, Any] = dict(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        kv_channels=shape.hidden_size // shape.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=mpu.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=mpu.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        **p2p_settings(),
+    )
+    if cpu_compat.is_applied():
+        kwargs.update(cpu_compat.cpu_config_overrides())
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_model_chunks(shape: GPTShape, config: TransformerConfig) -> list[GPTModel]:
+    """The model chunks this rank holds: one per virtual pipeline stage (one without VPP)."""
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        chunks.append(
+            GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=shape.vocab_size,
+                max_sequence_length=shape.max_seq_len,
+                pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                share_embeddings_and_output_weights=False,
+                position_embedding_type="rope",
+                rotary_base=int(shape.rope_theta),
+                vp_stage=vp_stage if vpp > 1 else None,
+            )
+        )
+    return chunks
+
+
+def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Megatron's boolean attention mask (True = masked) of shape ``(1, 1, seq, seq)``.
+
+    Always passed explicitly: a ``None`` mask makes Megatron build one on device "cuda" (STACK.md, shim 3).
+    """
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def forward_backward(
+    chunks: list[GPTModel],
+    micro_batches: Iterable[dict[str, torch.Tensor]],
+    loss_fn: LossFn,
+    forward_only: bool = False,
+) -> list[dict[str, torch.Tensor]]:
+    """Run ``micro_batches`` through Megatron's pipeline schedule for the current layout.
+
+    Args:
+        chunks: this rank's model chunks (from :func:`build_model_chunks`).
+        micro_batches: dicts with ``input_ids`` and ``position_ids`` ``(mb, seq)``, optional ``labels``
+            ``(mb, seq)`` (then the model returns per-token cross entropy ``(mb, seq)``), and whatever the
+            loss needs. Every pipeline rank passes the same micro-batches.
+        loss_fn: ``(output, micro_batch) -> (loss, metrics)``; ``output`` is per-token loss with labels,
+            else vocab-parallel logits ``(mb, seq, vocab / tp)``. The schedule divides the returned loss by
+            the number of micro-batches before backward.
+        forward_only: skip backward.
+
+    Returns:
+        On the last pipeline stage, the ``metrics`` dict of each micro-batch; elsewhere an empty list.
+    """
+    micro_batches = list(micro_batches)
+    if not micro_batches:
+        raise ValueError("forward_backward got no micro-batches")
+    mb, seq = micro_batches[0]["input_ids"].shape
+    mask = causal_mask(seq)
+
+    def step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["input_ids"], batch["position_ids"], mask, labels=batch.get("labels"))
+
+        def loss_func(output_tensor):
+            return loss_fn(output_tensor, batch)
+
+        return output, loss_func
+
+    iterators = [iter(micro_batches) for _ in chunks]
+    return get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=seq,
+        micro_batch_size=mb,
+        forward_only=forward_only,
+    )

@@ -1,0 +1,82 @@
+"""Megatron parallel state from a :class:`~hybridrl.distributed.ParallelLayout`.
+
+``hybridrl.distributed.init_model_parallel`` calls :func:`initialize` here: it applies the CPU shims when
+CUDA is absent, builds Megatron's TP/PP/DP/CP/EP groups with the layout's sizes, and seeds the RNG
+tracker the way ``model_parallel_cuda_manual_seed`` does on GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from hybridrl.distributed.layout import LayoutError, ParallelLayout
+from hybridrl.mcore import cpu_compat
+
+_MEGATRON_AXIS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "mp": "tp-pp"}
+
+
+def megatron_rank_groups(layout: ParallelLayout, axis: str) -> list[list[int]]:
+    """The groups Megatron's own ``RankGenerator`` builds for ``axis``, without any process group.
+
+    Used to check :meth:`ParallelLayout.groups` against Megatron for layouts far bigger than this machine.
+    """
+    gen = mpu.RankGenerator(tp=layout.tp, ep=1, dp=layout.dp, pp=layout.pp, cp=layout.cp, order="tp-cp-ep-dp-pp")
+    return sorted(sorted(g) for g in gen.get_ranks(_MEGATRON_AXIS[axis]))
+
+
+def initialize(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int = 10) -> None:
+    """Build Megatron's process groups for ``layout`` and seed the model-parallel RNG.
+
+    Requires ``torch.distributed`` to be initialised with ``layout.world_size`` ranks.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised; call hybridrl.distributed.init_distributed() first")
+    if dist.get_world_size() != layout.world_size:
+        raise LayoutError(
+            f"layout world_size ({layout.world_size}) != launched world size ({dist.get_world_size()}); "
+            f"launch {layout.world_size} processes or change the layout"
+        )
+    on_cpu = cpu_compat.apply()
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        distributed_timeout_minutes=timeout_minutes,
+        create_gloo_process_groups=on_cpu,
+    )
+    reseed(seed)
+
+
+def reseed(seed: int) -> None:
+    """Seed the default and model-parallel RNG states (different per TP rank, equal across DP)."""
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    if cpu_compat.is_applied():
+        cpu_compat.seed_model_parallel(seed, tp_rank, ep_rank=mpu.get_expert_model_parallel_rank())
+    else:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    """Tear down Megatron's groups (the default process group stays)."""
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+
+
+def p2p_settings() -> dict[str, bool]:
+    """Pipeline p2p settings for the active backend.
+
+    gloo + batched p2p (``batch_p2p_comm=True``, Megatron's default) gives SILENTLY WRONG activations for
+    later micro-batches under virtual pipelining (STACK.md), so gloo always gets ``batch_p2p_comm=False``.
+    """
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        return {"batch_p2p_comm": False, "batch_p2p_sync": False}
+    return {"batch_p2p_comm": True, "batch_p2p_sync": True}

@@ -1,0 +1,116 @@
+"""Launch environment detection (torchrun, srun) and the 1-rank and multi-rank gloo rungs."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridrl.distributed import LaunchError, detect_env, expand_nodelist
+from tests.multirank import run_ranks
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "hosts"),
+    [
+        ("node1", ["node1"]),
+        ("gpu[01-03]", ["gpu01", "gpu02", "gpu03"]),
+        ("gpu[01-02,07],login1", ["gpu01", "gpu02", "gpu07", "login1"]),
+        ("rack[1-2]-n[8-9]", ["rack1-n8", "rack1-n9", "rack2-n8", "rack2-n9"]),
+        ("a[9-11]", ["a9", "a10", "a11"]),
+    ],
+)
+def test_expand_nodelist(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+def test_torchrun_env():
+    env = detect_env(
+        {
+            "RANK": "5",
+            "WORLD_SIZE": "16",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "n0",
+            "MASTER_PORT": "1234",
+        }
+    )
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 16, 1, 4)
+    assert (env.master_addr, env.master_port, env.launcher) == ("n0", 1234, "torchrun")
+
+
+def test_slurm_env_uses_first_node_of_job():
+    env = detect_env(
+        {
+            "SLURM_PROCID": "9",
+            "SLURM_NTASKS": "16",
+            "SLURM_LOCALID": "1",
+            "SLURM_JOB_NODELIST": "gpu[03-06]",
+            "SLURM_NTASKS_PER_NODE": "4(x4)",
+            "SLURM_NNODES": "4",
+        }
+    )
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (9, 16, 1, 4)
+    assert env.master_addr == "gpu03" and env.launcher == "slurm" and env.master_port == 29500
+
+
+def test_torchrun_wins_over_slurm():
+    env = detect_env({"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "7", "SLURM_NTASKS": "8"})
+    assert env.launcher == "torchrun" and env.world_size == 2
+
+
+def test_single_process_default():
+    env = detect_env({})
+    assert (env.rank, env.world_size, env.launcher) == (0, 1, "single")
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
+        ({"RANK": "4", "WORLD_SIZE": "2"}, "rank (4) must lie in [0, world_size=2)"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": ""}, "SLURM_JOB_NODELIST is empty"),
+    ],
+)
+def test_bad_env(environ, message):
+    with pytest.raises(LaunchError) as err:
+        detect_env(environ)
+    assert message in str(err.value)
+
+
+def _groups_body(rank, world_size):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.mcore import cpu_compat
+
+    layout = ParallelLayout.from_world(world_size, tp=2, pp=2)
+    init_model_parallel(layout)
+    groups = {
+        "tp": dist.get_process_group_ranks(mpu.get_tensor_model_parallel_group()),
+        "pp": dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group()),
+        "dp": dist.get_process_group_ranks(mpu.get_data_parallel_group()),
+    }
+    expected = {axis: layout.group_of(axis, rank) for axis in groups}
+    return {"groups": groups, "expected": expected, "backend": dist.get_backend(), "shims": cpu_compat.is_applied()}
+
+
+@pytest.mark.multirank
+def test_megatron_groups_on_four_gloo_ranks():
+    results = run_ranks(_groups_body, 4, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["backend"] == "gloo" and r["shims"], rank
+        assert {k: sorted(v) for k, v in r["groups"].items()} == r["expected"], rank
+
+
+def _single_body(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([3.0])
+    dist.all_reduce(t)
+    return (dist.get_world_size(), t.item())
+
+
+@pytest.mark.multirank
+def test_single_rank_gloo():
+    assert run_ranks(_single_body, 1) == [(1, 3.0)]

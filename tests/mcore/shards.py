@@ -1,0 +1,65 @@
+"""Test helpers: move full (1-rank) weights into this rank's Megatron shards and gather gradients back.
+
+They read the tensor-parallel attributes Megatron sets on each parameter (``tensor_model_parallel``,
+``partition_dim``, ``partition_stride``) and the global layer numbers, so they are independent of the
+code under test's layout math.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+
+def global_named_parameters(chunks):
+    """(global name, param) over all chunks; layer indices become 0-based global layer numbers."""
+    for chunk in chunks:
+        numbers = [layer.layer_number - 1 for layer in chunk.decoder.layers]
+        for name, param in chunk.named_parameters():
+            m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+            if m:
+                name = f"decoder.layers.{numbers[int(m.group(1))]}.{m.group(2)}"
+            yield name, param
+
+
+def _pieces(full: torch.Tensor, param: torch.Tensor, tp: int) -> list[list[torch.Tensor]]:
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    per_stride = full.shape[dim] // (tp * stride)
+    chunks = torch.split(full, per_stride, dim=dim)
+    return [[chunks[j * tp + r] for j in range(stride)] for r in range(tp)]
+
+
+def load_full(chunks, full: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's shard of every full tensor in ``full`` into the model."""
+    tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, param in global_named_parameters(chunks):
+            value = full[name]
+            if getattr(param, "tensor_model_parallel", False) and tp > 1:
+                value = torch.cat(_pieces(value, param, tp)[rank], dim=param.partition_dim)
+            param.copy_(value)
+
+
+def gather_full(chunks, attr: str = "grad") -> dict[str, torch.Tensor]:
+    """Full tensors of ``param.<attr>`` (e.g. grads) over TP and PP, on every rank."""
+    tp = mpu.get_tensor_model_parallel_world_size()
+    local = {}
+    for name, param in global_named_parameters(chunks):
+        value = param if attr == "data" else getattr(param, attr)
+        value = value.detach().clone()
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            parts = [torch.empty_like(value) for _ in range(tp)]
+            dist.all_gather(parts, value, group=mpu.get_tensor_model_parallel_group())
+            dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+            split = [torch.chunk(p, stride, dim=dim) for p in parts]
+            value = torch.cat([split[r][j] for j in range(stride) for r in range(tp)], dim=dim)
+        local[name] = value
+    everything = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, local)
+    merged: dict[str, torch.Tensor] = {}
+    for d in everything:
+        merged.update(d)
+    return merged

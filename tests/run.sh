@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install what the tests need (once) and run the whole suite: lint, format check, pytest.
+# Usage: bash tests/run.sh [pytest args...]     e.g. bash tests/run.sh -k protocol -x
+set -euo pipefail
+# shellcheck source=launch/bootstrap.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../launch/bootstrap.sh"
+cd "$HYBRIDRL_ROOT"
+
+echo "[tests] ruff check + format" >&2
+"$HYBRIDRL_PY" -m ruff check .
+"$HYBRIDRL_PY" -m ruff format --check .
+
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+set +e
+"$HYBRIDRL_PY" -m pytest --timeout=1200 "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "[tests] error: pytest collected no tests; a run that checks nothing must not pass" >&2
+  exit 1
+fi
+exit "$rc"
