@@ -2,19 +2,33 @@
 
 This package itself never imports Megatron: :func:`init_model_parallel` hands the layout to
 ``hybridrl.mcore.parallel_state``, the only place that does (together with the CPU shims it applies).
+The launch helpers (which import torch) load on first use, so config validation stays torch-free.
 """
 
 from __future__ import annotations
 
-from hybridrl.distributed.env import (
-    LaunchError,
-    ProcessEnv,
-    default_backend,
-    detect_env,
-    expand_nodelist,
-    init_distributed,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from hybridrl.distributed.layout import LayoutError, ParallelLayout, RankCoords
+
+if TYPE_CHECKING:
+    from hybridrl.distributed.env import (
+        LaunchError,
+        ProcessEnv,
+        default_backend,
+        detect_env,
+        expand_nodelist,
+        init_distributed,
+    )
+
+_ENV_NAMES = {"LaunchError", "ProcessEnv", "default_backend", "detect_env", "expand_nodelist", "init_distributed"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ENV_NAMES:
+        return getattr(importlib.import_module("hybridrl.distributed.env"), name)
+    raise AttributeError(f"module 'hybridrl.distributed' has no attribute {name!r}")
 
 
 def init_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:

@@ -1,0 +1,472 @@
+"""Cross-field rules of a :class:`RunConfig`: derived fields (:func:`fill_derived`) and the checks that
+run before any model is built (:func:`validate`).
+
+Each check is a small function ``check_x(cfg, world_size)`` listed in :data:`CHECKS` and run in order on
+a filled-in copy of the config; the first failure raises a one-line :class:`ConfigError` in the form
+``rollout.tp_size (3) must divide the world size (8); <fix>``. Parallel-layout rules come from
+:class:`hybridrl.distributed.layout.ParallelLayout` and are re-raised prefixed with the config key.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import operator
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from hybridrl.config.schema import (
+    ADV_ESTIMATORS,
+    CRITIC_ESTIMATORS,
+    DTYPES,
+    GROUP_ESTIMATORS,
+    KL_CTRL_TYPES,
+    LOGGERS,
+    RESUME_MODES,
+    TRUNCATIONS,
+    ConfigError,
+    RunConfig,
+)
+from hybridrl.config.schema_roles import (
+    KL_TYPES,
+    LOAD_FORMATS,
+    LOSS_AGG_MODES,
+    LR_DECAY_STYLES,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    ROLLOUT_BACKENDS,
+    TRAIN_BACKENDS,
+    MegatronConfig,
+)
+from hybridrl.distributed.layout import LayoutError, ParallelLayout
+
+ROLES = ("actor", "ref", "critic")
+LAYOUT_FIELDS = ("tp_size", "pp_size", "cp_size", "ep_size", "vpp_size", "dp_size")
+
+
+def _get(cfg: RunConfig, key: str) -> Any:
+    return operator.attrgetter(key)(cfg)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else repr(value)
+
+
+def _fail(message: str, key: str) -> None:
+    raise ConfigError(message, key=key)
+
+
+def world_size_of(cfg: RunConfig, world_size: int | None = None) -> int:
+    """The launch's world size, or ``trainer.nnodes * trainer.n_gpus_per_node``."""
+    return world_size if world_size is not None else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+def _enabled_roles(cfg: RunConfig) -> list[str]:
+    return ["actor"] + [r for r in ("ref", "critic") if getattr(cfg, r).enable]
+
+
+# ---- derived fields ---------------------------------------------------------------------------------
+def _derive_dp(m: MegatronConfig, world: int) -> None:
+    model_parallel = m.tp_size * m.pp_size * m.cp_size
+    if m.dp_size is None and model_parallel > 0 and world > 0 and world % model_parallel == 0:
+        m.dp_size = world // model_parallel
+
+
+def fill_derived(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
+    """Fill every ``None = ...`` field from the fields it derives from (in place; returns ``cfg``).
+
+    Leaves a field None when its inputs are inconsistent; :func:`validate` then reports why.
+    """
+    world = world_size_of(cfg, world_size)
+    model, actor, rollout, critic, ref = cfg.model, cfg.actor, cfg.rollout, cfg.critic, cfg.ref
+    if actor.model_name is None:
+        actor.model_name = model.path or f"{model.architecture.model_type or 'model'}-scratch"
+    if model.tokenizer_path is None:
+        model.tokenizer_path = model.path
+    _derive_dp(actor.megatron, world)
+    for role in (ref, critic):
+        if role.megatron is None:
+            role.megatron = copy.deepcopy(actor.megatron)
+        _derive_dp(role.megatron, world)
+    if critic.enable is None:
+        critic.enable = cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
+    if ref.enable is None:
+        ref.enable = actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs"):
+        if getattr(critic, name) is None:
+            setattr(critic, name, getattr(actor, name))
+    critic.model_path = critic.model_path or model.path
+    if ref.log_prob_micro_batch_size_per_gpu is None:
+        ref.log_prob_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+    if rollout.response_length is None:
+        rollout.response_length = cfg.data.max_response_length
+    if rollout.max_model_len is None:
+        rollout.max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    rollout.dtype = rollout.dtype or model.dtype
+    rollout.seed = cfg.trainer.seed if rollout.seed is None else rollout.seed
+    cfg.data.seed = cfg.trainer.seed if cfg.data.seed is None else cfg.data.seed
+    if cfg.trainer.default_local_dir is None:
+        cfg.trainer.default_local_dir = f"checkpoints/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
+    if cfg.resources.process_on_nodes is None:
+        cfg.resources.process_on_nodes = [cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes
+    return cfg
+
+
+# ---- single-field checks ----------------------------------------------------------------------------
+def _choices() -> Iterable[tuple[str, tuple]]:
+    yield from (("model.dtype", DTYPES), ("rollout.dtype", DTYPES), ("rollout.backend", ROLLOUT_BACKENDS))
+    yield from (("rollout.load_format", LOAD_FORMATS), ("algorithm.adv_estimator", ADV_ESTIMATORS))
+    yield from (("algorithm.kl_penalty", KL_TYPES), ("algorithm.kl_ctrl.type", KL_CTRL_TYPES))
+    yield from (("actor.loss_agg_mode", LOSS_AGG_MODES), ("actor.kl_loss_type", KL_TYPES))
+    yield from (("data.truncation", TRUNCATIONS), ("trainer.resume_mode", RESUME_MODES))
+    for role in ROLES:
+        yield f"{role}.backend", TRAIN_BACKENDS
+        yield f"{role}.megatron.recompute_granularity", (None, *RECOMPUTE_GRANULARITIES)
+        yield f"{role}.megatron.recompute_method", (None, *RECOMPUTE_METHODS)
+    for role in ("actor", "critic"):
+        yield f"{role}.optim.lr_decay_style", LR_DECAY_STYLES
+
+
+def _check_choice(key: str, value: Any, allowed: tuple) -> None:
+    if value in allowed:
+        return
+    close = difflib.get_close_matches(str(value), [a for a in allowed if a is not None], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    _fail(f"{key} ({_show(value)}) must be one of {', '.join(_show(a) for a in allowed)}{hint}", key)
+
+
+def check_choices(cfg: RunConfig, world: int) -> None:
+    """String fields with a fixed set of values (loggers: each element)."""
+    for key, allowed in _choices():
+        _check_choice(key, _get(cfg, key), allowed)
+    for i, name in enumerate(cfg.trainer.loggers):
+        _check_choice(f"trainer.loggers[{i}]", name, LOGGERS)
+
+
+_POSITIVE = (
+    "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs", "data.max_prompt_length",
+    "data.max_response_length", "data.train_batch_size", "actor.ppo_mini_batch_size",
+    "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_epochs", "critic.ppo_mini_batch_size",
+    "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs", "ref.log_prob_micro_batch_size_per_gpu",
+    "rollout.n", "rollout.tp_size", "rollout.val.n", "rollout.response_length", "rollout.max_model_len",
+    "reward.model.micro_batch_size_per_gpu", "resources.max_colocate_count",
+)  # fmt: skip
+_POSITIVE_OR_NULL = (
+    "trainer.total_steps", "trainer.max_ckpt_to_keep", "data.val_batch_size", "rollout.max_num_seqs",
+    "rollout.max_num_batched_tokens", "actor.optim.lr_warmup_steps", "critic.optim.lr_warmup_steps",
+)  # fmt: skip
+
+
+def check_counts(cfg: RunConfig, world: int) -> None:
+    """Sizes and counts are positive; frequencies are -1 (never) or positive."""
+    for key in _POSITIVE:
+        if _get(cfg, key) < 1:
+            _fail(f"{key} ({_show(_get(cfg, key))}) must be a positive integer", key)
+    for key in _POSITIVE_OR_NULL:
+        value = _get(cfg, key)
+        if value is not None and value < (0 if "warmup" in key else 1):
+            _fail(f"{key} ({value}) must be a {'non-negative' if 'warmup' in key else 'positive'} integer or null", key)
+    for key in ("trainer.save_freq", "trainer.test_freq"):
+        if _get(cfg, key) == 0 or _get(cfg, key) < -1:
+            _fail(f"{key} ({_get(cfg, key)}) must be -1 (never) or a positive number of steps", key)
+
+
+def _in_range(key: str, value: float, low: float, high: float, low_open: bool, high_open: bool) -> None:
+    below = value <= low if low_open else value < low
+    above = value >= high if high_open else value > high
+    if below or above:
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        _fail(f"{key} ({value}) must be in {interval}", key)
+
+
+def check_optim(cfg: RunConfig, world: int) -> None:
+    """Learning rates, Adam betas, warmup and decay of the actor and critic optimizers."""
+    for role in ("actor", "critic"):
+        o, key = getattr(cfg, role).optim, f"{role}.optim"
+        if o.lr <= 0:
+            _fail(f"{key}.lr ({o.lr}) must be positive", f"{key}.lr")
+        if len(o.betas) != 2:
+            _fail(f"{key}.betas ({o.betas}) must be two numbers [beta1, beta2], e.g. [0.9, 0.999]", f"{key}.betas")
+        for i, beta in enumerate(o.betas):
+            _in_range(f"{key}.betas[{i}]", beta, 0.0, 1.0, low_open=False, high_open=True)
+        for name in ("eps", "weight_decay", "clip_grad", "min_lr"):
+            if getattr(o, name) < 0 or (name == "eps" and o.eps == 0):
+                _fail(
+                    f"{key}.{name} ({getattr(o, name)}) must be {'positive' if name == 'eps' else '>= 0'}",
+                    f"{key}.{name}",
+                )
+        _in_range(f"{key}.lr_warmup_ratio", o.lr_warmup_ratio, 0.0, 1.0, low_open=False, high_open=False)
+        if o.lr_warmup_steps is not None and o.lr_warmup_ratio > 0:
+            _fail(
+                f"{key}.lr_warmup_steps ({o.lr_warmup_steps}) and {key}.lr_warmup_ratio ({o.lr_warmup_ratio}) are "
+                f"both set; set {key}.lr_warmup_ratio=0 or {key}.lr_warmup_steps=null",
+                f"{key}.lr_warmup_steps",
+            )
+        if o.min_lr > o.lr:
+            _fail(f"{key}.min_lr ({o.min_lr}) must be <= {key}.lr ({o.lr})", f"{key}.min_lr")
+
+
+def check_policy_loss(cfg: RunConfig, world: int) -> None:
+    """PPO clip ranges (dual clip included) and KL coefficients."""
+    a = cfg.actor
+    _in_range("actor.clip_ratio_low", a.clip_ratio_low, 0.0, 1.0, low_open=True, high_open=True)
+    if a.clip_ratio_high <= 0:
+        _fail(f"actor.clip_ratio_high ({a.clip_ratio_high}) must be positive", "actor.clip_ratio_high")
+    if a.clip_ratio_c <= 1:
+        _fail(f"actor.clip_ratio_c ({a.clip_ratio_c}) must be > 1 (dual-clip bound), e.g. 3.0", "actor.clip_ratio_c")
+    for key in ("actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef", "critic.cliprange_value"):
+        if _get(cfg, key) < 0:
+            _fail(f"{key} ({_get(cfg, key)}) must be >= 0", key)
+    ctrl = cfg.algorithm.kl_ctrl
+    if ctrl.type == "adaptive" and (ctrl.target_kl <= 0 or ctrl.horizon < 1):
+        key = "algorithm.kl_ctrl.target_kl" if ctrl.target_kl <= 0 else "algorithm.kl_ctrl.horizon"
+        _fail(f"{key} ({_get(cfg, key)}) must be positive for algorithm.kl_ctrl.type 'adaptive'", key)
+    _in_range("algorithm.gamma", cfg.algorithm.gamma, 0.0, 1.0, low_open=False, high_open=False)
+    _in_range("algorithm.lam", cfg.algorithm.lam, 0.0, 1.0, low_open=False, high_open=False)
+
+
+def check_sampling(cfg: RunConfig, world: int) -> None:
+    """Sampling parameters vLLM accepts."""
+    for key, s in (("rollout", cfg.rollout), ("rollout.val", cfg.rollout.val)):
+        if s.temperature < 0:
+            _fail(f"{key}.temperature ({s.temperature}) must be >= 0 (0 = greedy)", f"{key}.temperature")
+        _in_range(f"{key}.top_p", s.top_p, 0.0, 1.0, low_open=True, high_open=False)
+        if s.top_k != -1 and s.top_k < 1:
+            _fail(f"{key}.top_k ({s.top_k}) must be -1 (off) or positive", f"{key}.top_k")
+    util = cfg.rollout.gpu_memory_utilization
+    _in_range("rollout.gpu_memory_utilization", util, 0.0, 1.0, low_open=True, high_open=False)
+
+
+def check_lengths(cfg: RunConfig, world: int) -> None:
+    """The rollout's lengths agree with the data's."""
+    r, d = cfg.rollout, cfg.data
+    if r.response_length != d.max_response_length:
+        _fail(
+            f"rollout.response_length ({r.response_length}) must equal data.max_response_length "
+            f"({d.max_response_length}); set only data.max_response_length",
+            "rollout.response_length",
+        )
+    if r.max_model_len < d.max_prompt_length + d.max_response_length:
+        _fail(
+            f"rollout.max_model_len ({r.max_model_len}) must be >= data.max_prompt_length + "
+            f"data.max_response_length ({d.max_prompt_length + d.max_response_length}); set rollout.max_model_len=null",
+            "rollout.max_model_len",
+        )
+
+
+# ---- cross-section checks ---------------------------------------------------------------------------
+def check_sources(cfg: RunConfig, world: int) -> None:
+    """A model to start from, data to train on, a reward, a checkpoint to resume from."""
+    m = cfg.model
+    if m.path is None:
+        for name in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            if getattr(m.architecture, name) is None:
+                key = f"model.architecture.{name}"
+                _fail(f"{key} is null and model.path is null; set model.path or the architecture to build", key)
+        if m.architecture.num_attention_heads is None:
+            _fail("model.architecture.num_attention_heads is null and model.path is null; set it", "model.path")
+    if not cfg.data.train_files:
+        _fail("data.train_files is empty; set data.train_files=[/path/to/train.parquet]", "data.train_files")
+    rw = cfg.reward
+    if rw.model.enable and not rw.model.path:
+        _fail("reward.model.path is null but reward.model.enable is true; set reward.model.path", "reward.model.path")
+    if rw.custom.path and rw.scorer not in (None, "auto"):
+        _fail(
+            f"reward.scorer ({rw.scorer!r}) and reward.custom.path ({rw.custom.path!r}) are both set; "
+            "set reward.scorer=auto to use the custom function",
+            "reward.scorer",
+        )
+    if rw.scorer is None and not rw.custom.path and not rw.model.enable:
+        _fail("reward.scorer is null with no reward.custom.path and no reward.model: nothing scores responses; "
+              "set reward.scorer=auto", "reward.scorer")  # fmt: skip
+    if rw.timeout_s <= 0:
+        _fail(f"reward.timeout_s ({rw.timeout_s}) must be positive", "reward.timeout_s")
+    t = cfg.trainer
+    if (t.resume_mode == "path") != (t.resume_from_path is not None):
+        _fail(
+            f"trainer.resume_from_path ({_show(t.resume_from_path)}) goes with trainer.resume_mode 'path' "
+            f"(got {t.resume_mode!r}); set both or neither",
+            "trainer.resume_from_path",
+        )
+
+
+def check_world(cfg: RunConfig, world: int) -> None:
+    """The launch's world size and resources.process_on_nodes match trainer.nnodes x n_gpus_per_node."""
+    t, nodes = cfg.trainer, cfg.resources.process_on_nodes
+    if world != t.nnodes * t.n_gpus_per_node:
+        _fail(
+            f"world_size ({world}) of the launch != trainer.nnodes ({t.nnodes}) * trainer.n_gpus_per_node "
+            f"({t.n_gpus_per_node}); set trainer.nnodes / trainer.n_gpus_per_node to match the launch",
+            "trainer.n_gpus_per_node",
+        )
+    if len(nodes) != t.nnodes or sum(nodes) != world or min(nodes) < 1:
+        _fail(
+            f"resources.process_on_nodes ({nodes}) must list trainer.nnodes ({t.nnodes}) positive counts summing "
+            f"to world_size ({world}); set resources.process_on_nodes=null",
+            "resources.process_on_nodes",
+        )
+
+
+def _layout(key: str, m: MegatronConfig, world: int) -> ParallelLayout:
+    try:
+        return ParallelLayout.from_world(
+            world, tp=m.tp_size, pp=m.pp_size, cp=m.cp_size, ep=m.ep_size, vpp=m.vpp_size, dp=m.dp_size
+        )
+    except LayoutError as exc:
+        raise ConfigError(f"{key}: {exc}", key=key) from None
+
+
+def check_layouts(cfg: RunConfig, world: int) -> None:
+    """The actor's Megatron layout fits the world; other roles share it; memory options are consistent."""
+    _layout("actor.megatron", cfg.actor.megatron, world)
+    for role in _enabled_roles(cfg):
+        m, key = getattr(cfg, role).megatron, f"{role}.megatron"
+        for name in LAYOUT_FIELDS:
+            mine, actors = getattr(m, name), getattr(cfg.actor.megatron, name)
+            if mine != actors:
+                _fail(
+                    f"{key}.{name} ({mine}) must equal actor.megatron.{name} ({actors}): all roles share the "
+                    f"actor's process groups; remove {key}.{name}",
+                    f"{key}.{name}",
+                )
+        _check_megatron_options(key, m)
+
+
+def _check_megatron_options(key: str, m: MegatronConfig) -> None:
+    if m.sequence_parallel and m.tp_size == 1:
+        _fail(f"{key}.sequence_parallel (true) needs tp_size > 1 (got 1); set sequence_parallel=false", key)
+    full = m.recompute_granularity == "full"
+    if full and (m.recompute_method is None or m.recompute_num_layers is None):
+        _fail(
+            f"{key}.recompute_granularity ('full') needs recompute_method and recompute_num_layers "
+            f"(got {_show(m.recompute_method)}, {_show(m.recompute_num_layers)}); e.g. uniform and 1",
+            f"{key}.recompute_method",
+        )
+    if not full and (m.recompute_method is not None or m.recompute_num_layers is not None):
+        _fail(
+            f"{key}.recompute_method ({_show(m.recompute_method)}) / recompute_num_layers "
+            f"({_show(m.recompute_num_layers)}) need recompute_granularity 'full' "
+            f"(got {_show(m.recompute_granularity)}); set them to null",
+            f"{key}.recompute_method",
+        )
+    if m.recompute_num_layers is not None and m.recompute_num_layers < 1:
+        _fail(f"{key}.recompute_num_layers ({m.recompute_num_layers}) must be positive", key)
+
+
+def check_rollout_layout(cfg: RunConfig, world: int) -> None:
+    """vLLM engines tile the world. Their TP may be smaller or larger than training's: the hybrid engine
+    regroups shards either way, so only the head counts (check_architecture) constrain it further."""
+    rtp = cfg.rollout.tp_size
+    if world % rtp:
+        _fail(f"rollout.tp_size ({rtp}) must divide the world size ({world})", "rollout.tp_size")
+
+
+def check_batch_sizes(cfg: RunConfig, world: int) -> None:
+    """Responses per step split evenly over DP ranks, rollout replicas and mini-batches."""
+    n, prompts, dp = cfg.rollout.n, cfg.data.train_batch_size, cfg.actor.megatron.dp_size
+    total = prompts * n
+    step = f"data.train_batch_size ({prompts}) * rollout.n ({n}) = {total} responses"
+    if total % dp:
+        _fail(f"{step} must be divisible by actor.megatron.dp_size ({dp}); change data.train_batch_size",
+              "data.train_batch_size")  # fmt: skip
+    replicas = world // cfg.rollout.tp_size
+    if total % replicas:
+        _fail(
+            f"{step} must be divisible by the rollout replicas (world_size {world} / rollout.tp_size "
+            f"{cfg.rollout.tp_size} = {replicas}); change data.train_batch_size",
+            "data.train_batch_size",
+        )
+    for role in ("actor", "critic") if cfg.critic.enable else ("actor",):
+        c = getattr(cfg, role)
+        mini, micro = c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu
+        if total % mini:
+            _fail(f"{role}.ppo_mini_batch_size ({mini}) must divide {step}", f"{role}.ppo_mini_batch_size")
+        if mini % (micro * dp):
+            _fail(
+                f"{role}.ppo_mini_batch_size ({mini}) must be divisible by {role}.ppo_micro_batch_size_per_gpu "
+                f"({micro}) * actor.megatron.dp_size ({dp}) = {micro * dp}",
+                f"{role}.ppo_mini_batch_size",
+            )
+
+
+def check_algorithm_roles(cfg: RunConfig, world: int) -> None:
+    """The estimator gets the roles and group size it needs (critic for GAE, n >= 2 for group baselines)."""
+    est = cfg.algorithm.adv_estimator
+    needs_critic = est in CRITIC_ESTIMATORS
+    if cfg.critic.enable != needs_critic:
+        why = "it needs values; set critic.enable=null" if needs_critic else "it has no use there; set it to null"
+        _fail(
+            f"critic.enable ({_show(cfg.critic.enable)}) with algorithm.adv_estimator {est!r}: {why}", "critic.enable"
+        )
+    if est in GROUP_ESTIMATORS and cfg.rollout.n < 2:
+        _fail(
+            f"rollout.n ({cfg.rollout.n}) must be >= 2 for algorithm.adv_estimator {est!r} (its baseline is the "
+            "other responses to the same prompt); set e.g. rollout.n=8",
+            "rollout.n",
+        )
+    for key in ("actor.use_kl_loss", "algorithm.use_kl_in_reward"):
+        if _get(cfg, key) and not cfg.ref.enable:
+            _fail(f"ref.enable (false) must be true when {key} is true; set ref.enable=null", "ref.enable")
+
+
+def check_architecture(cfg: RunConfig, world: int) -> None:
+    """Heads, KV groups and layers split over TP / PP (only for the fields given in model.architecture)."""
+    a, m, rtp = cfg.model.architecture, cfg.actor.megatron, cfg.rollout.tp_size
+    key = "model.architecture"
+    if a.hidden_size and a.num_attention_heads and a.head_dim is None and a.hidden_size % a.num_attention_heads:
+        _fail(f"{key}.hidden_size ({a.hidden_size}) must be divisible by num_attention_heads "
+              f"({a.num_attention_heads}), or set head_dim", f"{key}.hidden_size")  # fmt: skip
+    heads, groups = a.num_attention_heads, a.num_key_value_heads or a.num_attention_heads
+    if heads and heads % m.tp_size:
+        _fail(f"{key}.num_attention_heads ({heads}) must be divisible by actor.megatron.tp_size ({m.tp_size})", key)
+    if heads and groups and heads % groups:
+        _fail(f"{key}.num_attention_heads ({heads}) must be divisible by num_key_value_heads ({groups})", key)
+    if groups and groups % m.tp_size:
+        _fail(f"{key}.num_key_value_heads ({groups}) must be divisible by actor.megatron.tp_size ({m.tp_size})", key)
+    if heads and heads % rtp:
+        _fail(f"{key}.num_attention_heads ({heads}) must be divisible by rollout.tp_size ({rtp})", key)
+    if groups and groups % rtp and rtp % groups:
+        _fail(f"{key}.num_key_value_heads ({groups}) and rollout.tp_size ({rtp}) must divide one another", key)
+    positions, length = a.max_position_embeddings, cfg.rollout.max_model_len
+    if positions and positions < length:
+        _fail(f"{key}.max_position_embeddings ({positions}) must be >= rollout.max_model_len ({length})", key)
+    stages = m.pp_size * m.vpp_size
+    if a.num_hidden_layers and a.num_hidden_layers % stages:
+        _fail(
+            f"{key}.num_hidden_layers ({a.num_hidden_layers}) must be divisible by actor.megatron.pp_size "
+            f"({m.pp_size}) * vpp_size ({m.vpp_size}) = {stages}",
+            f"{key}.num_hidden_layers",
+        )
+
+
+CHECKS: tuple[Callable[[RunConfig, int], None], ...] = (
+    check_choices,
+    check_counts,
+    check_optim,
+    check_policy_loss,
+    check_sampling,
+    check_lengths,
+    check_sources,
+    check_world,
+    check_layouts,
+    check_rollout_layout,
+    check_batch_sizes,
+    check_algorithm_roles,
+    check_architecture,
+)
+"""Run in this order: single fields first, so later checks may rely on positive sizes."""
+
+
+def validate(cfg: RunConfig, world_size: int | None = None) -> None:
+    """Raise :class:`ConfigError` (one line: key, value, fix) at the first broken rule; ``cfg`` is unchanged.
+
+    Args:
+        cfg: the config; derived fields may still be None (a filled-in copy is checked).
+        world_size: ranks of the launch; None = ``trainer.nnodes * trainer.n_gpus_per_node``.
+    """
+    world = world_size_of(cfg, world_size)
+    filled = fill_derived(copy.deepcopy(cfg), world)
+    for check in CHECKS:
+        check(filled, world)

