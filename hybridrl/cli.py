@@ -1,0 +1,91 @@
+"""The ``hybridrl`` command line (also ``python -m hybridrl``).
+
+    hybridrl validate-config CONFIG [key=value ...] [--world-size N]
+    hybridrl version
+
+``validate-config`` loads a config exactly as a run would (packaged name or path, overrides, every
+cross-field check), prints the resolved YAML and, per role, the parallel layout: which ranks are
+tensor/pipeline/data-parallel peers. ``train`` and ``export`` arrive with the trainer and checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import hybridrl
+
+USAGE = """hybridrl <command> [args]
+
+commands:
+  validate-config CONFIG [key=value ...]   check a config, print it resolved and its parallel layouts
+  version                                   print the version
+"""
+
+
+def _format_groups(groups: list[list[int]], limit: int = 4) -> str:
+    shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:limit])
+    return shown + (f" ... ({len(groups)} groups)" if len(groups) > limit else "")
+
+
+def layout_report(cfg, world_size: int) -> str:
+    """Per-role parallel layout lines for a validated config."""
+    from hybridrl.distributed.layout import ParallelLayout
+
+    lines = []
+    roles = [("actor", cfg.actor.megatron)]
+    if cfg.ref.enable:
+        roles.append(("ref", cfg.ref.megatron))
+    if cfg.critic.enable:
+        roles.append(("critic", cfg.critic.megatron))
+    for name, m in roles:
+        layout = ParallelLayout.from_world(world_size, tp=m.tp_size, pp=m.pp_size, cp=m.cp_size, vpp=m.vpp_size)
+        lines.append(f"{name:7s} {layout.describe()}")
+        for axis in ("tp", "pp", "dp"):
+            lines.append(f"        {axis} peers: {_format_groups(layout.groups(axis))}")
+    rtp = cfg.rollout.tp_size
+    engines = [list(range(i, i + rtp)) for i in range(0, world_size, rtp)]
+    lines.append(f"rollout {cfg.rollout.backend} tp={rtp} replicas={world_size // rtp}")
+    lines.append(f"        engines: {_format_groups(engines)}")
+    return "\n".join(lines)
+
+
+def cmd_validate_config(argv: list[str]) -> int:
+    from hybridrl.config import ConfigError, load_config, to_yaml, world_size_of
+
+    parser = argparse.ArgumentParser(prog="hybridrl validate-config", description="Check and print a run config.")
+    parser.add_argument("config", help="packaged config name (e.g. ppo_llama2_7b.yaml) or path")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.megatron.tp_size=4")
+    parser.add_argument("--world-size", type=int, default=None, help="default: trainer.nnodes * n_gpus_per_node")
+    parser.add_argument("--quiet", action="store_true", help="print only the layouts")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    world = args.world_size or world_size_of(cfg)
+    if not args.quiet:
+        print(to_yaml(cfg))
+    print(f"# world size {world} = {cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node} process(es)")
+    print(layout_report(cfg, world))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command in ("version", "--version"):
+        print(hybridrl.__version__)
+        return 0
+    if command == "validate-config":
+        return cmd_validate_config(rest)
+    print(f"unknown command {command!r}; run 'hybridrl --help' for the list", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The command line: validate-config prints the resolved config and per-role layouts; errors are one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from hybridrl.cli import main
+
+
+def test_validate_config_layouts(capsys):
+    assert main(["validate-config", "ppo_llama3_70b_multinode.yaml", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "# world size 32 = 4 node(s) x 8 process(es)" in out
+    assert "actor   tp=8 pp=4 dp=1 vpp=2 (world 32)" in out
+    assert "pp peers: [0,8,16,24] [1,9,17,25]" in out
+    assert "rollout vllm tp=8 replicas=4" in out
+
+
+def test_validate_config_resolves_and_overrides(capsys):
+    assert main(["validate-config", "tiny_cpu.yaml", "actor.megatron.tp_size=1"]) == 0
+    out = capsys.readouterr().out
+    assert "tp_size: 1" in out and "dp_size: 2" in out  # resolved YAML shows the derived dp
+    assert "actor   tp=1 pp=1 dp=2 (world 2)" in out
+
+
+def test_validate_config_error_is_one_line(capsys):
+    assert main(["validate-config", "tiny_cpu.yaml", "actor.megatron.tp_szie=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "did you mean 'actor.megatron.tp_size'" in err
+
+
+def test_python_dash_m_entry():
+    result = subprocess.run([sys.executable, "-m", "hybridrl", "--version"], capture_output=True, text=True)
+    import hybridrl
+
+    assert result.returncode == 0 and result.stdout.strip() == hybridrl.__version__
+    result = subprocess.run([sys.executable, "-m", "hybridrl", "frobnicate"], capture_output=True, text=True)
+    assert result.returncode == 2 and "unknown command 'frobnicate'" in result.stderr
