@@ -10,6 +10,7 @@ initialised on gloo through :func:`hybridrl.distributed.init_distributed`.
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -45,7 +46,11 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, res
 
         init_distributed(timeout_s=timeout)
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # By value: a tensor put on a torch.multiprocessing queue travels as shared memory that the parent
+        # can only open while this process is alive, which it may no longer be.
+        buffer = io.BytesIO()
+        torch.save(out, buffer)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:  # report everything, including SystemExit from deep inside a library
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -98,4 +103,6 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0)
             failures.append(f"--- rank {rank} raised ---\n{value}")
     if failures:
         raise AssertionError(f"{fn.__name__} failed on {world_size} ranks:\n" + "\n".join(failures))
-    return [outputs[r][1] for r in range(world_size)]
+    import torch
+
+    return [torch.load(io.BytesIO(outputs[r][1]), weights_only=False) for r in range(world_size)]

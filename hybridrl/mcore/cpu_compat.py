@@ -10,7 +10,9 @@ patches, each of which is listed in STACK.md ("megatron-core on CPU") and was ch
 4. tensors created with ``device="cuda"`` inside the pipeline schedules, p2p and optimizer modules are
    created on the CPU instead;
 5. ``torch.cuda.synchronize`` is a no-op;
-6. the model config settings that only work on CPU: :func:`cpu_config_overrides`.
+6. ``Tensor.cuda()`` is the identity inside ``LanguageModule.setup_embeddings_and_output_layer`` (tied
+   embeddings with PP > 1 all-reduce the last stage's copy after ``weight.data.cuda()``);
+7. the model config settings that only work on CPU: :func:`cpu_config_overrides`.
 
 :func:`apply` is idempotent and does nothing when CUDA is available, so GPU runs are never patched.
 A test (``tests/test_house_rules.py``) fails if anything outside this module patches torch or megatron.
@@ -36,6 +38,7 @@ _DEVICE_ROUTED_MODULES = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.utils",
+    "megatron.core.transformer.utils",  # sliding-window / default causal masks (Mistral's window_size)
 )
 _FACTORIES = frozenset(
     {"zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like", "full_like"}
@@ -148,6 +151,23 @@ def _patch_rng() -> None:
     mrandom.torch.cuda.manual_seed = lambda seed: None  # the data-parallel seed is the CPU one, set by seed()
 
 
+def _patch_tied_embedding_setup() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    @functools.wraps(original)
+    def setup_on_cpu(self, *args: Any, **kwargs: Any) -> Any:
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *a, **k: tensor
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
+
+
 def seed_model_parallel(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int | None = None) -> None:
     """CPU replacement of ``model_parallel_cuda_manual_seed``: same seeds, same tracker names."""
     from megatron.core.tensor_parallel import random as mrandom
@@ -164,7 +184,7 @@ def seed_model_parallel(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int
 
 
 def cpu_config_overrides() -> dict[str, Any]:
-    """TransformerConfig settings required on CPU (STACK.md, shim 6)."""
+    """TransformerConfig settings required on CPU (STACK.md, shim 6; item 7 above)."""
     return {
         "use_cpu_initialization": True,
         "gradient_accumulation_fusion": False,
@@ -191,5 +211,6 @@ def apply() -> bool:
     for name in _DEVICE_ROUTED_MODULES:
         importlib.import_module(name).torch = _CpuRoutedTorch()
     _patch_rng()
+    _patch_tied_embedding_setup()
     _APPLIED = True
     return True

@@ -1,13 +1,18 @@
 """Llama-style Megatron GPT models on the active parallel layout, and a forward/backward driver.
 
-This is the substrate the actor, critic and reference roles are built on: a ``TransformerConfig`` with the
-Llama options (RMSNorm, SwiGLU, RoPE, GQA, untied embeddings), the model chunks of this pipeline rank
-(one per virtual stage), and :func:`forward_backward`, which runs micro-batches through Megatron's
+This is the substrate the actor, critic and reference roles are built on: :class:`GPTShape` (the
+architecture, filled from a Hugging Face config by ``hybridrl.mcore.hf_config``), a ``TransformerConfig``
+with the Llama-family options (RMSNorm, SwiGLU, RoPE incl. llama3 scaling, GQA, qkv bias, QK-norm, sliding
+window, tied or untied embeddings), the vocab padding rule (:func:`padded_vocab_size`), the layer spec
+(TransformerEngine when it imports, Megatron's local modules otherwise), the model chunks of this pipeline
+rank (one per virtual stage), and :func:`forward_backward`, which runs micro-batches through Megatron's
 pipeline schedules with a caller-supplied loss.
 """
 
 from __future__ import annotations
 
+import importlib
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -16,12 +21,30 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import ModuleSpec, TransformerConfig
 
 from hybridrl.mcore import cpu_compat
 from hybridrl.mcore.parallel_state import p2p_settings
+
+VOCAB_DIVISOR = 64  # Megatron's make_vocab_size_divisible_by default
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisor: int = VOCAB_DIVISOR) -> int:
+    """The vocab size the embedding and output layer are built with: a multiple of ``divisor * tp``.
+
+    The ONE place of the padding rule (Megatron's ``make_vocab_size_divisible_by`` x TP): every rank gets
+    the same number of rows, and padded rows are zero (their logits are 0, so log-softmax over the padded
+    vocab must mask them; see :meth:`GPTShape.padded_vocab`).
+    """
+    if vocab_size < 1 or tp < 1 or divisor < 1:
+        raise ValueError(f"vocab_size ({vocab_size}), tp ({tp}) and divisor ({divisor}) must be positive")
+    multiple = divisor * tp
+    return math.ceil(vocab_size / multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -34,9 +57,60 @@ class GPTShape:
     num_query_groups: int
     ffn_hidden_size: int
     vocab_size: int
+    """The tokenizer's (HF ``vocab_size``); the model may hold more rows, see ``padded_vocab_size``."""
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    head_dim: int | None = None
+    """Per-head size (HF ``head_dim``); None means ``hidden_size // num_attention_heads``."""
+    qkv_bias: bool = False
+    """Biases on q/k/v only (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3)."""
+    tie_embeddings: bool = False
+    """The output layer reuses the input embedding (HF ``tie_word_embeddings``)."""
+    padded_vocab_size: int | None = None
+    """Rows of the embedding / output layer (from :func:`padded_vocab_size`); None means ``vocab_size``."""
+    rope_scaling_factor: float | None = None
+    """llama3-style RoPE scaling factor (low/high frequency factors 1 and 4, original context 8192)."""
+    sliding_window: int | None = None
+    """Each token attends to itself and the ``sliding_window - 1`` previous tokens (Mistral). Megatron's
+    attention then builds its own banded causal mask and IGNORES the ``attention_mask`` passed to forward
+    (key padding must not be needed: keep padding to the right of valid tokens)."""
+
+    @property
+    def kv_channels(self) -> int:
+        """Per-head size."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and output layer; logits ``[..., vocab_size:]`` are padding."""
+        return self.padded_vocab_size or self.vocab_size
+
+
+def use_transformer_engine() -> bool:
+    """True when TransformerEngine imports and a GPU is present: its layer spec is then used."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        importlib.import_module("transformer_engine")
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec(shape: GPTShape, transformer_engine: bool | None = None) -> ModuleSpec:
+    """The decoder layer spec: TransformerEngine's if available (``None`` = auto), else Megatron's local one.
+
+    The two name the pre-attention / pre-MLP norms differently (TE fuses them into ``linear_qkv`` /
+    ``linear_fc1`` as ``layer_norm_weight``); the weight bridge accepts both.
+    """
+    if transformer_engine is None:
+        transformer_engine = use_transformer_engine()
+    if transformer_engine:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
 
 
 def make_config(shape: GPTShape, dtype: torch.dtype = torch.float32, **overrides: Any) -> TransformerConfig:
@@ -52,7 +126,10 @@ def make_config(shape: GPTShape, dtype: torch.dtype = torch.float32, **overrides
         num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups,
         ffn_hidden_size=shape.ffn_hidden_size,
-        kv_channels=shape.hidden_size // shape.num_attention_heads,
+        kv_channels=shape.kv_channels,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
+        window_size=None if shape.sliding_window is None else (shape.sliding_window - 1, 0),
         normalization="RMSNorm",
         layernorm_epsilon=shape.norm_eps,
         gated_linear_unit=True,
@@ -75,8 +152,13 @@ def make_config(shape: GPTShape, dtype: torch.dtype = torch.float32, **overrides
 
 
 def build_model_chunks(shape: GPTShape, config: TransformerConfig) -> list[GPTModel]:
-    """The model chunks this rank holds: one per virtual pipeline stage (one without VPP)."""
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    """The model chunks this rank holds: one per virtual pipeline stage (one without VPP).
+
+    The embedding and output layer have ``shape.padded_vocab`` rows (split over TP); the output layer of
+    a tied model reuses the embedding (PP = 1) or holds a copy kept equal by Megatron (PP > 1).
+    """
+    spec = layer_spec(shape)
+    rotary_base = int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta
     vpp = config.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(vpp):
@@ -84,13 +166,15 @@ def build_model_chunks(shape: GPTShape, config: TransformerConfig) -> list[GPTMo
             GPTModel(
                 config=config,
                 transformer_layer_spec=spec,
-                vocab_size=shape.vocab_size,
+                vocab_size=shape.padded_vocab,
                 max_sequence_length=shape.max_seq_len,
                 pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                share_embeddings_and_output_weights=False,
+                share_embeddings_and_output_weights=shape.tie_embeddings,
                 position_embedding_type="rope",
-                rotary_base=int(shape.rope_theta),
+                rotary_base=rotary_base,
+                rope_scaling=shape.rope_scaling_factor is not None,
+                rope_scaling_factor=shape.rope_scaling_factor or 8.0,
                 vp_stage=vp_stage if vpp > 1 else None,
             )
         )

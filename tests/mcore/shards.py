@@ -63,3 +63,19 @@ def gather_full(chunks, attr: str = "grad") -> dict[str, torch.Tensor]:
     for d in everything:
         merged.update(d)
     return merged
+
+
+def local_shards(chunks, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's expected piece of every full tensor in ``full`` (keys as in :func:`global_named_parameters`).
+
+    The inverse view of :func:`load_full`: compare it with the rank's own params/grads to check a result
+    without gathering (and so every data-parallel copy is checked, not just one).
+    """
+    tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    out = {}
+    for name, param in global_named_parameters(chunks):
+        value = full[name]
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            value = torch.cat(_pieces(value, param, tp)[rank], dim=param.partition_dim)
+        out[name] = value
+    return out

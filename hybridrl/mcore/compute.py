@@ -1,0 +1,387 @@
+"""RLHF computation on Megatron model chunks: padded batches through the pipeline schedules, per-token heads.
+
+What a role worker calls to turn a (local data-parallel) batch into per-token quantities and gradients:
+
+- :func:`forward_backward`: micro-batches through Megatron's ``get_forward_backward_func()`` with a
+  caller-supplied per-token loss; the loss is scaled so that gradients equal those of ONE aggregated loss
+  over the GLOBAL batch, however it is split over micro-batches and data-parallel ranks (see
+  :mod:`hybridrl.mcore.loss_scaling`);
+- :func:`compute_log_probs`, :func:`compute_values`, :func:`forward_outputs`: forward-only, results
+  ``(batch, response)`` on every rank (taken from the last pipeline stage, broadcast over the PP group,
+  optionally gathered over DP).
+
+Batch layout (what rollout produces): ``input_ids``, ``attention_mask``, ``position_ids`` ``(b, s)`` with the
+prompt LEFT-padded to ``p = s - r`` and the response RIGHT-padded, and ``responses`` ``(b, r)``. The
+log-prob of response token ``t`` comes from the logits at sequence position ``p + t - 1``.
+
+Padding never reaches a valid token: each row is rolled left by its number of left-pad tokens before the
+model, so Megatron's RoPE (which uses positions ``0..s-1`` and ignores ``position_ids``) sees exactly
+``position_ids = cumsum(mask) - 1`` (the batch's ``position_ids`` are therefore not read), and the attention
+mask is causal + key padding (see :func:`attention_mask`). The heads gather the output at the rolled
+response positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+
+from hybridrl.mcore import vocab_parallel
+from hybridrl.mcore.loss_scaling import AGG_MODES, aggregate, global_denominator, grad_reduce_mean_factor
+
+Batch = Mapping[str, torch.Tensor]
+REQUIRED_KEYS = ("input_ids", "attention_mask", "responses")
+
+
+def attention_mask(valid: torch.Tensor) -> torch.Tensor:
+    """Megatron's boolean attention mask (True = masked) for padded rows: ``(b, 1, s, s)``.
+
+    ``masked[i, q, k] = (k > q) or not valid[i, k]``, except that the diagonal is never masked: a padding
+    query row would otherwise be fully masked (NaN softmax in fused kernels). Such rows only produce
+    outputs at padding positions, which nothing reads; valid queries never see padding keys.
+
+    Args:
+        valid: ``(b, s)`` attention mask, nonzero on real tokens.
+    """
+    s = valid.shape[1]
+    ones = torch.ones(s, s, dtype=torch.bool, device=valid.device)
+    causal = torch.triu(ones, diagonal=1)
+    masked = causal.unsqueeze(0) | ~valid.bool().unsqueeze(1)
+    masked &= ~torch.eye(s, dtype=torch.bool, device=valid.device)
+    return masked.unsqueeze(1)
+
+
+def prepare_batch(batch: Batch) -> dict[str, torch.Tensor]:
+    """Model inputs for a padded batch: rows rolled so that each starts with its first real token.
+
+    Args:
+        batch: ``input_ids``, ``attention_mask`` ``(b, s)`` and ``responses`` ``(b, r)`` (see module docs).
+
+    Returns:
+        ``batch`` plus ``model_input_ids``, ``model_position_ids`` ``(b, s)``, ``model_attention_mask``
+        ``(b, 1, s, s)`` bool, and ``response_positions`` ``(b, r)``: the index into the model output's
+        sequence dim whose prediction is response token ``t`` (``p + t - 1 - left_pad``).
+    """
+    missing = [k for k in REQUIRED_KEYS if k not in batch]
+    if missing:
+        raise KeyError(
+            f"batch lacks {missing}; a compute batch needs {list(REQUIRED_KEYS)} (see hybridrl.mcore.compute)"
+        )
+    ids, mask = batch["input_ids"], batch["attention_mask"].long()
+    b, s = ids.shape
+    r = batch["responses"].shape[1]
+    if mask.shape != ids.shape or batch["responses"].shape[0] != b or r >= s:
+        raise ValueError(
+            f"batch shapes input_ids {tuple(ids.shape)}, attention_mask {tuple(mask.shape)}, responses "
+            f"{tuple(batch['responses'].shape)} disagree; need (b, s), (b, s), (b, r) with r < s"
+        )
+    prompt_len = s - r
+    if not bool(mask[:, prompt_len - 1].all()):
+        row = int((mask[:, prompt_len - 1] == 0).nonzero()[0])
+        raise ValueError(f"batch row {row} has no prompt token at position {prompt_len - 1}; left-pad prompts")
+    tail_valid = mask[:, prompt_len:].bool()
+    if bool((batch["responses"] != ids[:, prompt_len:])[tail_valid].any()):
+        row = int(((batch["responses"] != ids[:, prompt_len:]) & tail_valid).any(1).nonzero()[0])
+        raise ValueError(
+            f"batch['responses'] row {row} differs from input_ids[:, -r:]; responses must end the sequence"
+        )
+    left_pad = mask.argmax(dim=1)  # index of the first real token
+    index = (torch.arange(s, device=ids.device).unsqueeze(0) + left_pad.unsqueeze(1)) % s
+    rolled_mask = mask.gather(1, index)
+    if bool((rolled_mask[:, 1:] > rolled_mask[:, :-1]).any()):
+        row = int((rolled_mask[:, 1:] > rolled_mask[:, :-1]).any(1).nonzero()[0])
+        raise ValueError(f"attention_mask row {row} is not [left pad][tokens][right pad]; fix the padding")
+    out = dict(batch)
+    out["model_input_ids"] = ids.gather(1, index)
+    out["model_position_ids"] = (rolled_mask.cumsum(1) - 1).clamp(min=0)
+    out["model_attention_mask"] = attention_mask(rolled_mask)
+    out["response_positions"] = (prompt_len - 1 - left_pad).unsqueeze(1) + torch.arange(r, device=ids.device)
+    return out
+
+
+def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Split every tensor of ``batch`` whose first dim is the batch size into micro-batches of that size.
+
+    Equal sizes are required: pipeline p2p buffers have one shape for all micro-batches.
+    """
+    b = batch["input_ids"].shape[0]
+    if micro_batch_size < 1 or b % micro_batch_size:
+        raise ValueError(f"micro_batch_size ({micro_batch_size}) must divide the local batch size ({b})")
+    n = b // micro_batch_size
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == b:
+            for i, piece in enumerate(value.split(micro_batch_size)):
+                parts[i][key] = piece
+        else:
+            for part in parts:
+                part[key] = value
+    return parts
+
+
+def gather_response(output: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rows of ``output`` ``(mb, s, *rest)`` at ``positions`` ``(mb, r)``: ``(mb, r, *rest)``."""
+    mb, r = positions.shape
+    rest = output.shape[2:]
+    index = positions.reshape(mb, r, *([1] * len(rest))).expand(mb, r, *rest)
+    return output.gather(1, index)
+
+
+class TokenHead(Protocol):
+    """Turns a model chunk's output on the last stage into per-response-token tensors ``(mb, r)``."""
+
+    keys: tuple[str, ...]
+
+    def __call__(self, output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class LogProbHead:
+    """Log-probs of ``responses`` (and the entropy) from vocab-parallel logits ``(mb, s, V/tp)``."""
+
+    temperature: float = 1.0
+    with_entropy: bool = False
+    vocab_size: int | None = None  # the true vocabulary when the model's is padded
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return ("log_probs", "entropy") if self.with_entropy else ("log_probs",)
+
+    def __call__(self, output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        logits = gather_response(output, micro_batch["response_positions"])
+        group = mpu.get_tensor_model_parallel_group()
+        logp, ent = vocab_parallel.log_probs_and_entropy(
+            logits, micro_batch["responses"], group, self.temperature, self.vocab_size
+        )
+        return {"log_probs": logp, "entropy": ent} if self.with_entropy else {"log_probs": logp}
+
+
+@dataclass(frozen=True)
+class ValuesHead:
+    """Critic values from a model whose output is ``(mb, s, 1)`` or ``(mb, s)``: ``values (mb, r)``.
+
+    The value of response token ``t`` is read at the position that predicts it (``p + t - 1``), as the
+    log-probs are. This reads the critic's output; the parameterised ``Linear(h, 1)`` that produces it is
+    the critic model's own (``hybridrl.mcore.roles``).
+    """
+
+    keys: tuple[str, ...] = ("values",)
+
+    def __call__(self, output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if output.dim() == 3:
+            if output.shape[-1] != 1:
+                raise ValueError(f"ValuesHead expects a (mb, s, 1) critic output, got {tuple(output.shape)}")
+            output = output.squeeze(-1)
+        return {"values": gather_response(output, micro_batch["response_positions"]).float()}
+
+
+LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]]
+
+
+@dataclass
+class StepOutput:
+    """What :func:`forward_backward` returns on every rank."""
+
+    loss: float
+    """The aggregated loss of the global batch (same value on every rank)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Each scalar metric of ``loss_fn``: mean over micro-batches and data-parallel ranks."""
+    micro_batch_metrics: list[dict[str, Any]] = field(default_factory=list)
+    """The raw metrics of each local micro-batch (last pipeline stage only; empty elsewhere)."""
+
+
+def _run_schedule(chunks, micro_batches, loss_func, forward_only: bool) -> list[Any]:
+    seq, mb = micro_batches[0]["model_input_ids"].shape[1], micro_batches[0]["model_input_ids"].shape[0]
+
+    def step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["model_input_ids"], batch["model_position_ids"], batch["model_attention_mask"])
+        return output, lambda output_tensor: loss_func(output_tensor, batch)
+
+    iterators = [iter(micro_batches) for _ in chunks]
+    return get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=seq,
+        micro_batch_size=mb,
+        forward_only=forward_only,
+    )
+
+
+def _check_supported(chunks) -> None:
+    config = get_model_config(chunks[0])
+    if mpu.get_context_parallel_world_size() > 1:
+        raise NotImplementedError("context parallel (cp > 1) is not supported by hybridrl.mcore.compute; set cp=1")
+    if config.calculate_per_token_loss:
+        raise ValueError("model config calculate_per_token_loss=True is not supported; leave it False (the default)")
+
+
+def forward_backward(
+    chunks: list[torch.nn.Module],
+    batch: Batch,
+    loss_fn: LossFn,
+    micro_batch_size: int,
+    forward_only: bool = False,
+    *,
+    head: TokenHead | None = None,
+    loss_agg_mode: str = "token-mean",
+    response_mask_key: str = "response_mask",
+) -> StepOutput:
+    """Forward (and backward) this rank's data-parallel batch through the pipeline schedule.
+
+    The loss of the GLOBAL batch ``B`` (all micro-batches of all DP ranks) is
+    ``L = agg_{i in B}(loss_fn(head(model(x_i))), mask_i)`` with ``agg`` = ``loss_agg_mode`` (formulas in
+    :mod:`hybridrl.mcore.loss_scaling`); gradients accumulated in the parameters are ``dL/dtheta`` summed
+    over micro-batches, and become the gradient of ``L`` once summed over DP ranks (the optimizer does that;
+    under Megatron's DDP, which averages, the loss is pre-multiplied by the DP size).
+
+    Call it once per optimizer step: the denominators are counted on this call's batch.
+
+    Args:
+        chunks: this rank's model chunks (plain or wrapped in Megatron DDP).
+        batch: the local DP batch (module docs) plus whatever ``loss_fn`` reads, every tensor ``(b, ...)``;
+            ``response_mask`` ``(b, r)`` defaults to ``attention_mask[:, -r:]``. Same on all PP/TP ranks.
+        loss_fn: ``(outputs, micro_batch) -> (per_token_loss (mb, r), metrics)``; ``outputs`` are the head's
+            tensors ``(mb, r)`` (``log_probs``/``entropy`` by default), metrics are scalars.
+        micro_batch_size: samples per micro-batch; must divide ``b``.
+        forward_only: no backward (e.g. a validation loss).
+        head: :class:`LogProbHead` (default), :class:`ValuesHead` or any :class:`TokenHead`.
+        loss_agg_mode: one of ``AGG_MODES``.
+        response_mask_key: the batch key of the response mask.
+
+    Returns:
+        :class:`StepOutput` with the global loss and metrics on every rank.
+    """
+    if loss_agg_mode not in AGG_MODES:
+        raise ValueError(f"loss_agg_mode ({loss_agg_mode!r}) must be one of {AGG_MODES}")
+    _check_supported(chunks)
+    head = head or LogProbHead()
+    prepared = prepare_batch(batch)
+    r = prepared["responses"].shape[1]
+    if response_mask_key not in prepared:
+        prepared[response_mask_key] = prepared["attention_mask"][:, -r:]
+    micro_batches = split_micro_batches(prepared, micro_batch_size)
+    last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
+    dp_group = mpu.get_data_parallel_group()
+    denominator = global_denominator(prepared[response_mask_key], loss_agg_mode, dp_group) if last_stage else None
+    scale = len(micro_batches) * grad_reduce_mean_factor(chunks)
+    contributions: list[torch.Tensor] = []
+
+    def loss_func(output, micro_batch):
+        outputs = head(output, micro_batch)
+        per_token, metrics = loss_fn(outputs, micro_batch)
+        loss = aggregate(per_token, micro_batch[response_mask_key], loss_agg_mode, denominator)
+        contributions.append(loss.detach())
+        return loss * scale, metrics
+
+    with torch.no_grad() if forward_only else torch.enable_grad():
+        mb_metrics = _run_schedule(chunks, micro_batches, loss_func, forward_only)
+    loss, metrics = _reduce_step_metrics(contributions, mb_metrics if last_stage else [], dp_group)
+    return StepOutput(loss=loss, metrics=metrics, micro_batch_metrics=mb_metrics if last_stage else [])
+
+
+def _reduce_step_metrics(contributions, mb_metrics, dp_group) -> tuple[float, dict[str, float]]:
+    """Global loss (sum over DP) and metric means (over micro-batches, then DP), on every rank."""
+    result: list[Any] = [None]
+    if mpu.is_pipeline_last_stage(ignore_virtual=True):
+        keys = sorted(
+            k for k in (mb_metrics[0] if mb_metrics else {}) if torch.as_tensor(mb_metrics[0][k]).numel() == 1
+        )
+        means = [sum(float(m[k]) for m in mb_metrics) / len(mb_metrics) for k in keys]
+        device = contributions[0].device if contributions else None
+        vec = torch.tensor([float(sum(c.item() for c in contributions)), *means], dtype=torch.float64, device=device)
+        dp = dist.get_world_size(dp_group)
+        if dp > 1:
+            dist.all_reduce(vec, group=dp_group)
+        vec[1:] /= dp
+        result = [(vec[0].item(), dict(zip(keys, vec[1:].tolist(), strict=True)))]
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast_object_list(
+            result, src=mpu.get_pipeline_model_parallel_last_rank(), group=mpu.get_pipeline_model_parallel_group()
+        )
+    return result[0]
+
+
+def forward_outputs(
+    chunks: list[torch.nn.Module],
+    batch: Batch,
+    micro_batch_size: int,
+    head: TokenHead,
+    gather_dp: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Forward-only ``head`` outputs for the local batch, on every rank.
+
+    Args:
+        chunks, batch, micro_batch_size: as in :func:`forward_backward`.
+        head: which per-token tensors to compute (its ``keys`` name them).
+        gather_dp: concatenate the results of all DP ranks (in DP-rank order) instead of the local ones.
+
+    Returns:
+        ``{key: (b, r) fp32}`` (``(b * dp, r)`` with ``gather_dp``), identical on every TP/PP rank.
+        Values at response padding are computed but meaningless.
+    """
+    _check_supported(chunks)
+    prepared = prepare_batch(batch)
+    micro_batches = split_micro_batches(prepared, micro_batch_size)
+    b, r = prepared["responses"].shape
+
+    def loss_func(output, micro_batch):
+        outputs = head(output, micro_batch)
+        return output.new_zeros(()), {k: outputs[k].detach().float() for k in head.keys}
+
+    with torch.no_grad():
+        collected = _run_schedule(chunks, micro_batches, loss_func, forward_only=True)
+    if mpu.is_pipeline_last_stage(ignore_virtual=True):
+        stacked = torch.stack([torch.cat([c[k] for c in collected]) for k in head.keys])
+    else:
+        stacked = torch.empty(len(head.keys), b, r, dtype=torch.float32, device=prepared["input_ids"].device)
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        src = mpu.get_pipeline_model_parallel_last_rank()
+        dist.broadcast(stacked, src=src, group=mpu.get_pipeline_model_parallel_group())
+    if gather_dp and mpu.get_data_parallel_world_size() > 1:
+        stacked = _gather_dp(stacked)
+    return dict(zip(head.keys, stacked.unbind(0), strict=True))
+
+
+def _gather_dp(stacked: torch.Tensor) -> torch.Tensor:
+    """Concatenate ``(k, b_i, r)`` over DP ranks along dim 1 (local batch sizes may differ)."""
+    group = mpu.get_data_parallel_group()
+    world = dist.get_world_size(group)
+    size = torch.tensor([stacked.shape[1]], device=stacked.device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.nn.functional.pad(stacked, (0, 0, 0, longest - stacked.shape[1]))
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:, : int(n.item())] for p, n in zip(parts, sizes, strict=True)], dim=1)
+
+
+def compute_log_probs(
+    chunks: list[torch.nn.Module],
+    batch: Batch,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    gather_dp: bool = False,
+    vocab_size: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Per-token log-probs of ``batch['responses']`` (and entropy): ``{'log_probs': (b, r), ...}`` on every rank."""
+    head = LogProbHead(temperature=temperature, with_entropy=with_entropy, vocab_size=vocab_size)
+    return forward_outputs(chunks, batch, micro_batch_size, head, gather_dp)
+
+
+def compute_values(
+    chunks: list[torch.nn.Module], batch: Batch, micro_batch_size: int, gather_dp: bool = False
+) -> torch.Tensor:
+    """Critic values at the response tokens: ``(b, r)`` fp32 on every rank (critic output ``(mb, s, 1)``)."""
+    return forward_outputs(chunks, batch, micro_batch_size, ValuesHead(), gather_dp)["values"]

@@ -1,0 +1,154 @@
+"""Actor, reference, critic and reward model built from HF checkpoints on the same TP2 x PP2 process groups.
+
+One 4-rank gloo launch builds every role and reports its state (trainable or frozen, offloaded or not),
+the critic's per-token values (compared here with HF ``*ForSequenceClassification``'s ``score`` over its
+own hidden states), its gradients, its export, and the errors a role raises on the wrong checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.mcore import hf_tiny
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+TOL = 1e-4
+
+
+def _named(model) -> dict[str, torch.Tensor]:
+    from hybridrl.mcore.bridge import global_parameters
+
+    return {n: p.detach().clone() for n, p in global_parameters(model.chunks)}
+
+
+def _body(rank: int, world_size: int, paths: dict, ids: torch.Tensor) -> dict:
+    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.mcore import bridge, gpt, roles
+
+    init_model_parallel(ParallelLayout.from_world(world_size, tp=2, pp=2))
+    r: dict = {}
+    actor = roles.build_actor(paths["lm"])
+    r["actor"] = (actor.trainable, all(p.requires_grad for p in actor.parameters()), actor.chunks[0].training)
+
+    ref = roles.build_reference(paths["lm"], offload=True)
+    r["ref_offloaded_at_build"] = ref.offloaded
+    try:
+        ref.require_onloaded()
+    except RuntimeError as err:
+        r["ref_offloaded_error"] = str(err)
+    ref.onload()
+    ref.onload()  # idempotent
+    r["ref_onloaded"] = not ref.offloaded
+    r["ref_frozen"] = (ref.trainable, any(p.requires_grad for p in ref.parameters()), ref.chunks[0].training)
+    a, b = _named(actor), _named(ref)
+    ref.offload()
+    ref.onload()
+    r["ref_equals_actor"] = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    r["ref_kept_values"] = all(torch.equal(b[k], v) for k, v in _named(ref).items())
+
+    zero = roles.build_critic(paths["lm"])  # causal LM: lm_head ignored, zero head
+    r["zero_values"] = hf_tiny.megatron_outputs(zero.chunks, None, ids)
+    small = roles.build_critic(paths["lm"], value_head_std=0.02)
+    r["small_values"] = hf_tiny.megatron_outputs(small.chunks, None, ids)
+    from_file = roles.build_critic(paths["lm"], value_head_path=paths["head_file"])
+    r["file_head"] = [c.output_layer.weight.detach().clone() for c in from_file.chunks if c.post_process]
+
+    critic = roles.build_critic(paths["cls"])
+    r["critic_values"] = hf_tiny.megatron_outputs(critic.chunks, None, ids)
+    batch = {"input_ids": ids, "position_ids": torch.arange(ids.shape[1]).expand_as(ids).contiguous()}
+    gpt.forward_backward(critic.chunks, [batch], lambda out, _: (out.float().square().mean(), {}))
+    grads = {n: p.grad for n, p in bridge.global_parameters(critic.chunks)}
+    r["critic_grads"] = {n: g is not None and g.abs().sum().item() > 0 for n, g in grads.items()}
+    critic.export(os.path.join(paths["out"], "critic"), max_shard_bytes=40_000)
+
+    rm = roles.build_reward_model(paths["cls"])
+    r["rm_values"] = hf_tiny.megatron_outputs(rm.chunks, None, ids)
+    r["rm_frozen"] = (rm.trainable, any(p.requires_grad for p in rm.parameters()))
+    try:
+        roles.build_reward_model(paths["lm"])
+    except bridge.CheckpointError as err:
+        r["rm_error"] = str(err)
+    return hf_tiny.portable(r)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("roles")
+    paths = {
+        "lm": hf_tiny.make_checkpoint("qwen2", str(root / "lm"), seed=21),
+        "cls": hf_tiny.make_checkpoint("llama", str(root / "cls"), seed=22, score=True),
+        "head_file": str(root / "head.safetensors"),
+        "out": str(root / "out"),
+    }
+    head = torch.randn(1, 64, generator=torch.Generator().manual_seed(23))
+    save_file({"score.weight": head}, paths["head_file"])
+    ids = hf_tiny.input_ids()
+    ref = hf_tiny.hf_outputs(paths["cls"], ids, score=True)
+    return hf_tiny.tensors(run_ranks(_body, 4, paths, ids, timeout=600)), ref, head, paths
+
+
+def test_actor_is_trainable(report):
+    for r in report[0]:
+        assert r["actor"] == (True, True, True)
+
+
+def test_reference_is_frozen_and_offloadable(report):
+    for r in report[0]:
+        assert r["ref_offloaded_at_build"] and "offloaded; call onload()" in r["ref_offloaded_error"]
+        assert r["ref_onloaded"] and r["ref_kept_values"]
+        assert r["ref_frozen"] == (False, False, False)
+        assert r["ref_equals_actor"]
+
+
+def test_critic_values_match_hf_score(report):
+    reports, ref, _, _ = report
+    for r in reports:
+        assert r["critic_values"].shape == ref.shape == (hf_tiny.BATCH, hf_tiny.SEQ, 1)
+        diff = (r["critic_values"] - ref).abs().max().item()
+        assert diff <= TOL, f"max |critic - hf score| = {diff:.2e}"
+
+
+def test_critic_value_head_init(report):
+    reports, _, head, _ = report
+    for r in reports:
+        assert torch.count_nonzero(r["zero_values"]) == 0
+        assert r["small_values"].abs().max() > 0
+        for w in r["file_head"]:
+            assert torch.equal(w, head)
+
+
+def test_critic_trains_head_and_backbone(report):
+    for r in report[0]:
+        grads = r["critic_grads"]
+        assert grads and all(grads.values()), [n for n, ok in grads.items() if not ok]
+    names = set().union(*(r["critic_grads"] for r in report[0]))
+    assert "output_layer.weight" in names and "embedding.word_embeddings.weight" in names
+
+
+def test_critic_export_round_trip(report):
+    _, _, _, paths = report
+    src = load_file(os.path.join(paths["cls"], "model.safetensors"))
+    out = os.path.join(paths["out"], "critic")
+    got = {}
+    for f in os.listdir(out):
+        if f.endswith(".safetensors"):
+            got.update(load_file(os.path.join(out, f)))
+    assert sorted(got) == sorted(src) and all(torch.equal(src[k], got[k]) for k in src)
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
+
+
+def test_reward_model(report):
+    reports, ref, _, _ = report
+    for r in reports:
+        assert r["rm_frozen"] == (False, False)
+        assert (r["rm_values"] - ref).abs().max().item() <= TOL
+        assert "tensor score.weight is missing" in r["rm_error"]
