@@ -147,6 +147,11 @@ def make_config(shape: GPTShape, dtype: torch.dtype = torch.float32, **overrides
     )
     if cpu_compat.is_applied():
         kwargs.update(cpu_compat.cpu_config_overrides())
+    if overrides.get("batch_p2p_comm") and not p2p_settings()["batch_p2p_comm"]:
+        raise ValueError(
+            "actor.megatron.batch_p2p_comm (True) gives silently wrong pipeline activations on gloo "
+            "(STACK.md); set it to null (auto) or false"
+        )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
