@@ -222,7 +222,7 @@ def forward_backward(
     if not micro_batches:
         raise ValueError("forward_backward got no micro-batches")
     mb, seq = micro_batches[0]["input_ids"].shape
-    mask = causal_mask(seq)
+    mask = causal_mask(seq, device=micro_batches[0]["input_ids"].device)
 
     def step(data_iterator, model):
         batch = next(data_iterator)

@@ -111,7 +111,10 @@ def megatron_outputs(chunks, vocab: int | None, ids: torch.Tensor, n_micro: int 
     from hybridrl.mcore import gpt
 
     batches = [
-        {"input_ids": part, "position_ids": torch.arange(part.shape[1]).expand_as(part).contiguous()}
+        {
+            "input_ids": part,
+            "position_ids": torch.arange(part.shape[1], device=part.device).expand_as(part).contiguous(),
+        }
         for part in ids.chunk(n_micro)
     ]
 

@@ -1,0 +1,412 @@
+"""GPU checks of hybridrl's Megatron paths on one CUDA device (run by tests/gpu/run.sh; not a pytest module).
+
+Sections (each in its own try/except; the exit code is non-zero if any check failed or any section raised):
+
+1. ``parity``: tiny HF checkpoints (tests/mcore/hf_tiny.py: llama, qwen2, mistral, qwen3), fp32 with TF32
+   off, loaded into Megatron through the bridge (``roles.build_actor``) at world 1 / TP1 on NCCL. Checks:
+   logits of a direct chunk forward vs HF's eager forward on the same GPU (max |diff| <= 1e-4); response
+   log-probs from ``hybridrl.mcore.compute.compute_log_probs`` on a left/right padded batch vs HF
+   ``log_softmax`` of each sample run alone without padding (<= 1e-4); and (llama only) that
+   ``gpt.forward_backward`` (the schedule driver the CPU tests use) runs on CUDA and matches too.
+2. ``train``: a timed bf16 training step of a ~0.9B Llama-shaped model built with ``gpt.make_config`` /
+   ``gpt.build_model_chunks`` (TransformerEngine spec if TE imports, else Megatron's local spec) and
+   ``optimizer.build_optimizer`` (GPU path: Megatron DDP + DistributedOptimizer, bf16 params, fp32 master),
+   driven by ``compute.forward_backward``: 2 warm-up + 5 timed steps; tokens/s, MFU, peak memory.
+
+``--cpu-dry-run`` runs section 1 on gloo/CPU and section 2 with a tiny fp32 shape on the CPU optimizer path,
+so that the code paths can be exercised without a GPU. Results go to stdout and, if ``$OUT`` is set, to
+``$OUT/gpu_check.json`` and ``$OUT/gpu_check.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+PARITY_TOL = 1e-4
+H200_BF16_DENSE_PEAK = 989e12  # FLOP/s, dense bf16 (no sparsity)
+
+LOG: list[str] = []
+
+
+def log(msg: str = "") -> None:
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+class Report:
+    def __init__(self) -> None:
+        self.checks: list[dict] = []
+        self.sections: dict[str, dict] = {}
+        self.info: dict = {}
+
+    def check(self, name: str, ok: bool, **values) -> None:
+        self.checks.append({"name": name, "ok": bool(ok), **values})
+        shown = " ".join(f"{k}={_fmt(v)}" for k, v in values.items())
+        log(f"  [{'PASS' if ok else 'FAIL'}] {name} {shown}")
+
+    @property
+    def ok(self) -> bool:
+        return all(c["ok"] for c in self.checks) and all(s.get("ok", False) for s in self.sections.values())
+
+
+def _fmt(v) -> str:
+    return f"{v:.3e}" if isinstance(v, float) else str(v)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup_env() -> None:
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    # Megatron's GPU paths want this for sequence/tensor parallel overlap; harmless at TP1.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+# ---- section 1: parity ---------------------------------------------------------------------------------
+def _padded_batch(ids_rows, prompt_lens, resp_lens, device):
+    """Left-padded prompts + right-padded responses (the layout compute.py expects), pad id 0."""
+    P, R = max(prompt_lens), max(resp_lens)
+    n = len(ids_rows)
+    ids = torch.zeros(n, P + R, dtype=torch.long)
+    am = torch.zeros(n, P + R, dtype=torch.long)
+    resp = torch.zeros(n, R, dtype=torch.long)
+    for i, (row, p, r) in enumerate(zip(ids_rows, prompt_lens, resp_lens, strict=True)):
+        ids[i, P - p : P], ids[i, P : P + r] = row[:p], row[p : p + r]
+        am[i, P - p : P + r] = 1
+        resp[i, :r] = row[p : p + r]
+    batch = {"input_ids": ids, "attention_mask": am, "position_ids": (am.cumsum(1) - 1).clamp(min=0), "responses": resp}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def section_parity(report: Report, device: torch.device, archs: list[str]) -> None:
+    import transformers
+    from megatron.core import parallel_state as mpu
+
+    transformers.utils.logging.disable_progress_bar()
+
+    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.mcore import compute, gpt, roles
+    from tests.mcore import hf_tiny
+
+    init_model_parallel(ParallelLayout.from_world(1))
+    log(
+        f"  layer spec: {'transformer_engine' if gpt.use_transformer_engine() else 'local'}; backend "
+        f"{torch.distributed.get_backend()}; tp={mpu.get_tensor_model_parallel_world_size()}"
+    )
+    ids = hf_tiny.input_ids().to(device)
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(1, hf_tiny.VOCAB, (hf_tiny.SEQ,), generator=g) for _ in range(4)]
+    prompt_lens, resp_lens = [5, 9, 3, 7], [6, 3, 7, 5]
+    batch = _padded_batch(rows, prompt_lens, resp_lens, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed, arch in enumerate(archs):
+            try:
+                path = os.path.join(tmp, arch)
+                hf_tiny.make_checkpoint(arch, path, seed=seed, max_shard_size="60KB" if arch == "llama" else None)
+                hf = transformers.AutoModelForCausalLM.from_pretrained(
+                    path, dtype=torch.float32, attn_implementation="eager"
+                )
+                hf = hf.to(device).eval()
+                with torch.no_grad():
+                    ref = hf(input_ids=ids).logits.float()
+                    ref_lp = []
+                    for row, p, r in zip(rows, prompt_lens, resp_lens, strict=True):
+                        x = row[: p + r].to(device)[None]
+                        lp = torch.log_softmax(hf(input_ids=x).logits.float()[0, p - 1 : p + r - 1], dim=-1)
+                        ref_lp.append(lp.gather(-1, x[0, p : p + r, None])[:, 0])
+                del hf
+
+                actor = roles.build_actor(path)
+                chunk = actor.chunks[0]
+                dev_of_params = {str(p.device) for p in chunk.parameters()}
+                chunk.eval()
+                with torch.no_grad():
+                    pos = torch.arange(hf_tiny.SEQ, device=device).expand_as(ids).contiguous()
+                    out = chunk(ids, pos, gpt.causal_mask(hf_tiny.SEQ, device=device))
+                got = out[..., : hf_tiny.VOCAB].float()
+                diff = (got - ref).abs().max().item()
+                report.check(
+                    f"parity.{arch}.logits",
+                    got.shape == ref.shape and diff <= PARITY_TOL,
+                    max_abs_diff=diff,
+                    shape=list(got.shape),
+                    param_devices=sorted(dev_of_params),
+                )
+
+                lp = compute.compute_log_probs(actor.chunks, batch, 2, vocab_size=hf_tiny.VOCAB)["log_probs"]
+                lp_diff = max((lp[i, :r].float() - ref_lp[i]).abs().max().item() for i, r in enumerate(resp_lens))
+                report.check(f"parity.{arch}.compute_log_probs", lp_diff <= PARITY_TOL, max_abs_diff=lp_diff)
+
+                if arch == "llama":
+                    try:
+                        sched = hf_tiny.megatron_outputs(actor.chunks, hf_tiny.VOCAB, ids)
+                        sdiff = (sched.float().to(device) - ref).abs().max().item()
+                        report.check("parity.llama.gpt_forward_backward", sdiff <= PARITY_TOL, max_abs_diff=sdiff)
+                    except Exception as e:  # the schedule driver of the CPU tests, on CUDA
+                        report.check("parity.llama.gpt_forward_backward", False, error=f"{type(e).__name__}: {e}")
+                        log(traceback.format_exc())
+                del actor, chunk
+            except Exception as e:
+                report.check(f"parity.{arch}", False, error=f"{type(e).__name__}: {e}")
+                log(traceback.format_exc())
+
+
+# ---- section 2: timed bf16 training step ---------------------------------------------------------------
+def section_train(report: Report, device: torch.device, dry: bool) -> dict:
+    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.mcore import compute, gpt
+    from hybridrl.mcore.optimizer import OptimConfig, build_optimizer
+
+    init_model_parallel(ParallelLayout.from_world(1))
+    if dry:
+        shape = gpt.GPTShape(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_query_groups=2,
+            ffn_hidden_size=96,
+            vocab_size=128,
+            max_seq_len=64,
+        )
+        dtype, seq, mbs, n_micro, warmup, timed = torch.float32, 32, 2, 2, 1, 2
+    else:
+        shape = gpt.GPTShape(
+            num_layers=16,
+            hidden_size=2048,
+            num_attention_heads=16,
+            num_query_groups=8,
+            ffn_hidden_size=5632,
+            vocab_size=32000,
+            max_seq_len=2048,
+            rope_theta=10000.0,
+            norm_eps=1e-5,
+        )
+        dtype, seq, mbs, n_micro, warmup, timed = torch.bfloat16, 2048, 4, 4, 2, 5
+    shape = dataclasses.replace(shape, padded_vocab_size=gpt.padded_vocab_size(shape.vocab_size, 1))
+    te = gpt.use_transformer_engine()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    config = gpt.make_config(shape, dtype)
+    chunks = gpt.build_model_chunks(shape, config)
+    n_params = sum(p.numel() for c in chunks for p in c.parameters())
+    n_embed = sum(p.numel() for c in chunks for n, p in c.named_parameters() if "word_embeddings" in n)
+    optim = build_optimizer(chunks, OptimConfig(lr=1e-5, clip_grad=1.0))
+    log(
+        f"  model: {n_params / 1e9:.3f}B params ({n_embed / 1e6:.1f}M input embedding), dtype {dtype}, "
+        f"spec {'transformer_engine' if te else 'local'}, optimizer {type(optim).__name__}, "
+        f"params on {next(chunks[0].parameters()).device}"
+    )
+
+    b = mbs * n_micro
+    resp = seq // 2
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, shape.vocab_size, (b, seq), generator=g)
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones(b, seq, dtype=torch.long),
+        "position_ids": torch.arange(seq).expand(b, seq).contiguous(),
+        "responses": ids[:, seq - resp :].contiguous(),
+        "response_mask": torch.ones(b, resp),
+    }
+    batch = {k: v.to(device) for k, v in batch.items()}
+
+    def loss_fn(outputs, mb):
+        return -outputs["log_probs"], {}
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    times, losses, norms = [], [], []
+    for step in range(warmup + timed):
+        sync()
+        t0 = time.perf_counter()
+        optim.zero_grad()
+        out = compute.forward_backward(optim.chunks, batch, loss_fn, mbs)
+        res = optim.step()
+        sync()
+        dt = time.perf_counter() - t0
+        losses.append(out.loss)
+        norms.append(res.grad_norm)
+        if step >= warmup:
+            times.append(dt)
+        log(
+            f"  step {step} ({'warm-up' if step < warmup else 'timed'}): {dt:.3f}s loss {out.loss:.4f} "
+            f"grad_norm {res.grad_norm:.3f} skipped {res.skipped}"
+        )
+
+    tokens_per_step = b * seq
+    mean_t = sum(times) / len(times)
+    tok_s = tokens_per_step / mean_t
+    L, h = shape.num_layers, shape.hidden_size
+    n_matmul = n_params - n_embed + (n_embed if shape.tie_embeddings else 0)
+    flops_per_token = 6 * n_matmul + 12 * L * h * seq
+    mfu = flops_per_token * tok_s / H200_BF16_DENSE_PEAK
+    result = {
+        "params": n_params,
+        "params_in_matmuls": n_matmul,
+        "spec": "transformer_engine" if te else "local",
+        "optimizer": type(optim).__name__,
+        "dtype": str(dtype),
+        "seq": seq,
+        "micro_batch": mbs,
+        "micro_batches": n_micro,
+        "tokens_per_step": tokens_per_step,
+        "step_times_s": times,
+        "mean_step_s": mean_t,
+        "tokens_per_s": tok_s,
+        "mfu": mfu,
+        "mfu_formula": (
+            "MFU = (6*N + 12*L*h*s) * tokens_per_s / 989e12; N = parameters in matmuls (all params minus the "
+            "input embedding, output layer included), L layers, h hidden, s sequence length; the attention term "
+            "counts the full s x s score matrix (no causal halving), fwd+bwd, no activation recompute"
+        ),
+        "losses": losses,
+        "grad_norms": norms,
+    }
+    if device.type == "cuda":
+        result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    finite = all(math.isfinite(x) for x in losses + norms)
+    report.check("train.finite_loss_and_grad_norm", finite, last_loss=losses[-1], last_grad_norm=norms[-1])
+    if not dry:
+        report.check("train.megatron_optimizer", type(optim).__name__ == "MegatronOptimizer", got=type(optim).__name__)
+    log(
+        f"  tokens/s {tok_s:,.0f}  step {mean_t:.3f}s  MFU {100 * mfu:.1f}% (vs 989 TFLOP/s bf16 dense)"
+        + (f"  peak mem {result['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in result else "")
+    )
+    del optim, chunks
+    return result
+
+
+# ---- driver --------------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-dry-run", action="store_true", help="gloo/CPU, tiny training shape (no GPU needed)")
+    ap.add_argument("--sections", default="parity,train", help="comma-separated subset of parity,train")
+    ap.add_argument("--archs", default="llama,qwen2,mistral,qwen3", help="tiny HF archs for the parity section")
+    args = ap.parse_args()
+    dry = args.cpu_dry_run
+    report = Report()
+    t_start = time.time()
+    _setup_env()
+    if not dry and not torch.cuda.is_available():
+        log("FATAL: CUDA is not available (use --cpu-dry-run to exercise the code paths on CPU)")
+        report.sections["setup"] = {"ok": False, "error": "no CUDA"}
+        return _finish(report, t_start)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda, "dry_run": dry}
+    for mod in ("transformers", "megatron.core", "transformer_engine", "safetensors", "numpy", "einops"):
+        try:
+            m = __import__(mod, fromlist=["__version__"])
+            info[mod] = getattr(m, "__version__", "?")
+        except Exception as e:
+            info[mod] = f"unavailable ({type(e).__name__})"
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    report.info = info
+    log("env: " + json.dumps(info))
+
+    try:
+        from hybridrl.distributed import init_distributed
+
+        penv = init_distributed()
+        device = torch.device("cuda", torch.cuda.current_device()) if not dry else torch.device("cpu")
+        log(f"dist: backend {torch.distributed.get_backend()} rank {penv.rank}/{penv.world_size} device {device}")
+        report.sections["setup"] = {"ok": True, "backend": torch.distributed.get_backend()}
+    except Exception as e:
+        log(traceback.format_exc())
+        report.sections["setup"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        return _finish(report, t_start)
+
+    wanted = args.sections.split(",")
+    if "parity" in wanted:
+        log("== section 1: HF parity (fp32, TF32 off)")
+        t0 = time.time()
+        try:
+            section_parity(report, device, args.archs.split(","))
+            report.sections["parity"] = {"ok": True, "seconds": time.time() - t0}
+        except Exception as e:
+            log(traceback.format_exc())
+            report.sections["parity"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.time() - t0}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "train" in wanted:
+        log("== section 2: timed training step" + (" (dry run: tiny fp32 shape)" if dry else " (bf16)"))
+        t0 = time.time()
+        try:
+            result = section_train(report, device, dry)
+            report.sections["train"] = {"ok": True, "seconds": time.time() - t0, **result}
+        except Exception as e:
+            log(traceback.format_exc())
+            report.sections["train"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.time() - t0}
+    return _finish(report, t_start)
+
+
+def _finish(report: Report, t_start: float) -> int:
+    ok = report.ok
+    log("== summary")
+    for name, s in report.sections.items():
+        log(f"  section {name}: {'ok' if s.get('ok') else 'ERROR ' + s.get('error', '')}")
+    failed = [c["name"] for c in report.checks if not c["ok"]]
+    log(
+        f"  checks: {len(report.checks) - len(failed)}/{len(report.checks)} passed"
+        + (f"; failed: {failed}" if failed else "")
+    )
+    t = report.sections.get("train", {})
+    if "tokens_per_s" in t:
+        log(
+            f"  train: {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f}%"
+            + (f", peak {t['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in t else "")
+        )
+    log(f"  RESULT: {'PASS' if ok else 'FAIL'} in {time.time() - t_start:.0f}s")
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "gpu_check.json"), "w") as f:
+            json.dump(
+                {"ok": ok, "info": report.info, "sections": report.sections, "checks": report.checks},
+                f,
+                indent=2,
+                default=str,
+            )
+        with open(os.path.join(out, "gpu_check.log"), "w") as f:
+            f.write("\n".join(LOG) + "\n")
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
