@@ -30,10 +30,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from hybridrl.mcore import vocab_parallel
+from hybridrl.mcore.gpt import run_schedule
 from hybridrl.mcore.loss_scaling import AGG_MODES, aggregate, global_denominator, grad_reduce_mean_factor
 
 Batch = Mapping[str, torch.Tensor]
@@ -205,16 +205,7 @@ def _run_schedule(chunks, micro_batches, loss_func, forward_only: bool) -> list[
         output = model(batch["model_input_ids"], batch["model_position_ids"], batch["model_attention_mask"])
         return output, lambda output_tensor: loss_func(output_tensor, batch)
 
-    iterators = [iter(micro_batches) for _ in chunks]
-    return get_forward_backward_func()(
-        forward_step_func=step,
-        data_iterator=iterators if len(chunks) > 1 else iterators[0],
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(micro_batches),
-        seq_length=seq,
-        micro_batch_size=mb,
-        forward_only=forward_only,
-    )
+    return run_schedule(chunks, micro_batches, step, forward_only, seq=seq, micro_batch_size=mb)
 
 
 def _check_supported(chunks) -> None:

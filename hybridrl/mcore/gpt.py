@@ -233,6 +233,22 @@ def forward_backward(
 
         return output, loss_func
 
+    return run_schedule(chunks, micro_batches, step, forward_only, seq=seq, micro_batch_size=mb)
+
+
+def run_schedule(
+    chunks: list[GPTModel],
+    micro_batches: list[dict[str, torch.Tensor]],
+    step: Callable,
+    forward_only: bool,
+    seq: int,
+    micro_batch_size: int,
+) -> list[Any]:
+    """Megatron's schedule for the current layout over ``micro_batches`` with a forward ``step`` function.
+
+    ``step(data_iterator, model) -> (output, loss_func)`` as Megatron expects; every chunk (virtual stage)
+    reads the micro-batches from its own iterator.
+    """
     iterators = [iter(micro_batches) for _ in chunks]
     return get_forward_backward_func()(
         forward_step_func=step,
@@ -240,6 +256,6 @@ def forward_backward(
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(micro_batches),
         seq_length=seq,
-        micro_batch_size=mb,
+        micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )

@@ -79,3 +79,20 @@ def local_shards(chunks, full: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
             value = torch.cat(_pieces(value, param, tp)[rank], dim=param.partition_dim)
         out[name] = value
     return out
+
+
+def init_layout(**layout_kw) -> None:
+    """Megatron groups for ``layout_kw`` (tp, pp, vpp, ...) over the whole launched world."""
+    from hybridrl.distributed import ParallelLayout, init_model_parallel
+
+    init_model_parallel(ParallelLayout.from_world(dist.get_world_size(), **layout_kw), seed=1234)
+
+
+def build_chunks(shape, full: dict[str, torch.Tensor] | None = None):
+    """This rank's model chunks for ``shape`` on the current layout, optionally loaded with ``full`` weights."""
+    from hybridrl.mcore import gpt
+
+    chunks = gpt.build_model_chunks(shape, gpt.make_config(shape))
+    if full is not None:
+        load_full(chunks, full)
+    return chunks

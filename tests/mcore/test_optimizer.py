@@ -53,21 +53,15 @@ def _batches(vocab: int) -> list[list[dict]]:
 
 
 def _init(layout_kw):
-    import torch.distributed as dist
+    from tests.mcore.shards import init_layout
 
-    from hybridrl.distributed import ParallelLayout, init_model_parallel
-
-    init_model_parallel(ParallelLayout.from_world(dist.get_world_size(), **layout_kw), seed=1234)
+    init_layout(**layout_kw)
 
 
 def _model(shape, full=None):
-    from hybridrl.mcore import gpt
-    from tests.mcore.shards import load_full
+    from tests.mcore.shards import build_chunks
 
-    chunks = gpt.build_model_chunks(shape, gpt.make_config(shape))
-    if full is not None:
-        load_full(chunks, full)
-    return chunks
+    return build_chunks(shape, full)
 
 
 def _reference(shape, batches) -> dict:
