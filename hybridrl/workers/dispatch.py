@@ -1,0 +1,89 @@
+"""Dispatch modes: how a role method's batch is split over ranks and how its results come back.
+
+hybridrl runs SPMD: every process holds every role and the whole batch the loop works on. A role method
+declares, with :func:`register`, how a :class:`~hybridrl.protocol.DataProto` argument is cut for it and how
+its output is assembled, so that after the call every rank again holds the full result:
+
+- ``DP_COMPUTE``: the batch is chunked over the role's data-parallel ranks (TP and PP peers of a DP rank get
+  the same chunk); each rank's output (already identical over its TP/PP peers: the compute helpers broadcast
+  from the last pipeline stage) is concatenated over the DP group with ONE fused all-gather;
+- ``ONE_TO_ALL``: every rank runs the method on the whole batch (e.g. generation already split by the
+  engine, or a scalar update); the output of rank 0 is returned unchanged on every rank;
+- ``LOCAL``: no splitting or gathering (the method handles communication itself).
+
+Batch sizes that do not divide the DP size are padded by repeating leading rows and the padding is
+removed from the result (``DataProto.pad_to_divisor`` / ``unpad``).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from hybridrl.protocol import DataProto, all_gather
+
+_ATTR = "__hybridrl_dispatch__"
+
+
+class Dispatch(enum.Enum):
+    """How a registered method's DataProto is split and its result collected."""
+
+    DP_COMPUTE = "dp_compute"
+    ONE_TO_ALL = "one_to_all"
+    LOCAL = "local"
+
+
+def register(dispatch_mode: Dispatch = Dispatch.DP_COMPUTE) -> Callable:
+    """Declare a worker method's dispatch mode (read by :class:`~hybridrl.workers.group.WorkerGroup`)."""
+    if not isinstance(dispatch_mode, Dispatch):
+        valid = ", ".join(m.name for m in Dispatch)
+        raise ValueError(f"dispatch_mode ({dispatch_mode!r}) is not a Dispatch; valid: {valid}")
+
+    def mark(method: Callable) -> Callable:
+        setattr(method, _ATTR, dispatch_mode)
+        return method
+
+    return mark
+
+
+def dispatch_mode_of(method: Callable) -> Dispatch | None:
+    """The mode a method was registered with, or None."""
+    return getattr(getattr(method, "__func__", method), _ATTR, None)
+
+
+def split_for_dp(data: DataProto, dp_size: int, dp_rank: int) -> tuple[DataProto, int]:
+    """This DP rank's contiguous chunk of ``data`` (padded to a multiple of ``dp_size``) and the pad size."""
+    padded, pad = data.pad_to_divisor(dp_size)
+    return padded.chunk(dp_size)[dp_rank], pad
+
+
+def gather_from_dp(output: DataProto, dp_group: Any, pad: int) -> DataProto:
+    """Concatenate every DP rank's output in rank order (one fused collective) and drop the padding."""
+    gathered = all_gather(output, group=dp_group) if dist.is_initialized() else output
+    return gathered.unpad(pad) if pad else gathered
+
+
+def dispatched(method: Callable, dp_size: int, dp_rank: int, dp_group: Any) -> Callable:
+    """Wrap a bound registered method with its split/collect logic."""
+    mode = dispatch_mode_of(method)
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if mode is Dispatch.DP_COMPUTE:
+            if not args or not isinstance(args[0], DataProto):
+                raise TypeError(f"{method.__name__} is DP_COMPUTE: its first argument must be a DataProto")
+            chunk, pad = split_for_dp(args[0], dp_size, dp_rank)
+            out = method(chunk, *args[1:], **kwargs)
+            return gather_from_dp(out, dp_group, pad) if isinstance(out, DataProto) else out
+        if mode is Dispatch.ONE_TO_ALL and dist.is_initialized() and dist.get_world_size() > 1:
+            out = method(*args, **kwargs)
+            box = [out if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        return method(*args, **kwargs)
+
+    return call
