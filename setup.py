@@ -26,6 +26,7 @@ INSTALL_REQUIRES = [
     "psutil>=5.9",
     "omegaconf>=2.3,<2.5",
     "pyyaml>=6",
+    "tensorboard>=2.14",  # a metrics sink the trainer writes by default (trainer.loggers)
 ]
 
 EXTRAS = {

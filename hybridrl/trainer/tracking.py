@@ -1,0 +1,139 @@
+"""Metrics sinks and stage timers for the trainer (rank 0 writes; every rank may time).
+
+``Tracker(loggers, log_dir, project, experiment, config)`` fans one ``log(metrics, step)`` call out to:
+
+- ``console``: one compact line per step (a progress bar with ETA, then the key metrics);
+- ``jsonl``: ``<log_dir>/metrics.jsonl``, one JSON object per step (the file tests and tools read);
+- ``tensorboard``: ``<log_dir>/tensorboard`` event files (``torch.utils.tensorboard``);
+- ``wandb``: only when the ``wandb`` package is installed (otherwise a one-line error naming the fix).
+
+``StageTimer`` collects seconds per named stage of a step (``with timer("rollout"): ...``) as
+``timing_s/<stage>`` metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+VALID_LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+CONSOLE_KEYS = (
+    "reward/mean",
+    "val/reward/mean",
+    "actor/pg_loss",
+    "actor/kl",
+    "actor/clipfrac",
+    "actor/entropy",
+    "critic/vf_loss",
+    "response/length_mean",
+    "perf/tokens_per_s",
+    "timing_s/step",
+)
+
+
+class StageTimer:
+    """Seconds per named stage; ``metrics()`` returns ``{'timing_s/<stage>': seconds}``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+
+def _scalar(value: Any) -> float | None:
+    try:
+        value = float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError):
+        return None
+    return value
+
+
+class Tracker:
+    """Writes step metrics to the configured sinks; a no-op on ranks other than 0."""
+
+    def __init__(
+        self,
+        loggers: list[str],
+        log_dir: str,
+        project: str = "hybridrl",
+        experiment: str = "run",
+        config: Mapping[str, Any] | None = None,
+        total_steps: int | None = None,
+        rank: int = 0,
+    ) -> None:
+        unknown = [name for name in loggers if name not in VALID_LOGGERS]
+        if unknown:
+            raise ValueError(f"trainer.loggers has {unknown}; valid: {', '.join(VALID_LOGGERS)}")
+        self.active = rank == 0
+        self.loggers, self.log_dir, self.total_steps = list(loggers), log_dir, total_steps
+        self._start = time.perf_counter()
+        self._jsonl = self._tb = self._wandb = None
+        if not self.active:
+            return
+        os.makedirs(log_dir, exist_ok=True)
+        if "jsonl" in loggers:
+            self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a", encoding="utf-8")  # noqa: SIM115
+        if "tensorboard" in loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(log_dir, "tensorboard"))
+        if "wandb" in loggers:
+            try:
+                import wandb
+            except ImportError:
+                raise ValueError("trainer.loggers has 'wandb' but wandb is not installed; pip install wandb") from None
+            self._wandb = wandb.init(project=project, name=experiment, config=dict(config or {}), dir=log_dir)
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Record ``metrics`` (scalars; others are skipped) for ``step``."""
+        if not self.active:
+            return
+        scalars = {k: v for k, v in ((k, _scalar(v)) for k, v in metrics.items()) if v is not None}
+        if self._jsonl is not None:
+            clean = {k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()}
+            self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+        if "console" in self.loggers:
+            print(self._console_line(scalars, step), file=sys.stdout, flush=True)
+
+    def _console_line(self, scalars: Mapping[str, float], step: int) -> str:
+        parts = [f"step {step}"]
+        if self.total_steps:
+            done = min(step, self.total_steps) / self.total_steps
+            elapsed = time.perf_counter() - self._start
+            eta = elapsed / max(done, 1e-9) - elapsed
+            bar = "#" * int(20 * done)
+            parts = [f"[{bar:<20s}] {step}/{self.total_steps} eta {eta:5.0f}s"]
+        parts += [
+            f"{k.split('/')[-1] if k.count('/') == 1 else k}={scalars[k]:.4g}" for k in CONSOLE_KEYS if k in scalars
+        ]
+        return "  ".join(parts)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

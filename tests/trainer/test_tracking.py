@@ -1,0 +1,37 @@
+"""Metrics sinks: JSONL lines, TensorBoard event files, console line, bad logger names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridrl.trainer.tracking import StageTimer, Tracker
+
+
+def test_jsonl_and_tensorboard(tmp_path, capsys):
+    tracker = Tracker(["console", "jsonl", "tensorboard"], str(tmp_path), total_steps=4)
+    timer = StageTimer()
+    with timer("rollout"):
+        pass
+    tracker.log({"reward/mean": 0.5, "actor/kl": float("nan"), "note": "text", **timer.metrics()}, step=1)
+    tracker.log({"reward/mean": 0.75}, step=2)
+    tracker.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["step"] == 1 and lines[0]["reward/mean"] == 0.5 and lines[0]["actor/kl"] == "nan"
+    assert "note" not in lines[0] and "timing_s/rollout" in lines[0]
+    assert lines[1] == {"step": 2, "reward/mean": 0.75}
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    out = capsys.readouterr().out
+    assert "2/4" in out and "mean=0.75" in out
+
+
+def test_non_zero_rank_writes_nothing(tmp_path):
+    tracker = Tracker(["jsonl"], str(tmp_path / "r1"), rank=1)
+    tracker.log({"x": 1.0}, step=1)
+    assert not (tmp_path / "r1").exists()
+
+
+def test_unknown_logger():
+    with pytest.raises(ValueError, match=r"trainer.loggers has \['mlflow'\]; valid: console, jsonl"):
+        Tracker(["mlflow"], "/tmp/unused")
