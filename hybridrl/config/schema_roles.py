@@ -15,8 +15,8 @@ ROLLOUT_BACKENDS = ("vllm",)
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 LR_DECAY_STYLES = ("constant", "cosine", "linear")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 LOAD_FORMATS = ("dummy", "auto", "safetensors", "pt")
 
 
