@@ -7,4 +7,13 @@ touches Megatron-Core, including the CPU compatibility shims), and the RL parts 
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["RLHFDataset", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: ``import hybridrl`` stays torch-free so the CLI starts fast.
+    if name == "RLHFDataset":
+        from hybridrl.data import RLHFDataset
+
+        return RLHFDataset
+    raise AttributeError(f"module 'hybridrl' has no attribute {name!r}")

@@ -177,6 +177,8 @@ class DataConfig:
     """Prompts per validation batch. None = the whole validation set at once."""
     truncation: str = "error"
     """Prompts longer than max_prompt_length: "error", or keep the "left" / "right" end."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than max_prompt_length (counted and logged) instead of applying truncation."""
     shuffle: bool = True
     """Shuffle the training prompts each epoch."""
     seed: int | None = None

@@ -1,0 +1,87 @@
+"""Prompt files on disk: reading parquet / jsonl into rows, writing rows back (the quickstart's demo data).
+
+This module owns the file-level checks that run before training starts: the file exists and parses,
+and the required columns are there. Each failure is one line naming the file, the column and the fix.
+Rows come back as plain Python values (``pyarrow``'s ``to_pylist``): a chat prompt is a list of
+``{"role", "content"}`` dicts, ``reward_model`` / ``extra_info`` are dicts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+JSONL_SUFFIXES = (".jsonl", ".json")
+
+
+def _read_table(path: Path, wanted: Sequence[str]) -> tuple[list[str], dict[str, list[Any]]]:
+    """All column names of one file, and column name -> values for the ``wanted`` columns it has."""
+    if path.suffix in JSONL_SUFFIXES:
+        rows = []
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}: line {lineno} is not JSON ({err.msg}); fix or remove the line") from None
+                if not isinstance(rows[-1], dict):
+                    raise ValueError(f"{path}: line {lineno} is not a JSON object; each line must be one row")
+        names = list(dict.fromkeys(k for r in rows for k in r))
+        return names, {c: [r.get(c) for r in rows] for c in wanted if c in names}
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(path).names
+        table = pq.read_table(path, columns=[c for c in wanted if c in names])
+    except (pa.ArrowException, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"cannot read {path} as parquet ({first}); check the file (or use .jsonl)") from None
+    return names, {name: table.column(name).to_pylist() for name in table.column_names}
+
+
+def read_rows(path: str | os.PathLike, required: Sequence[str], optional: Sequence[str] = ()) -> dict[str, list[Any]]:
+    """The ``required`` and ``optional`` columns of one parquet (or ``.jsonl``) file.
+
+    Args:
+        path: the file.
+        required: columns that must exist.
+        optional: columns read when present (missing ones come back as lists of ``None``).
+
+    Returns:
+        Column name -> list of row values, for exactly ``required + optional``.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: the file cannot be parsed, or a required column is missing (names it and the file).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {os.fspath(path)!r} does not exist; check data.train_files / val_files")
+    names, table = _read_table(path, [*required, *optional])
+    for col in required:
+        if col not in table:
+            raise ValueError(f"{path}: missing column {col!r} (has {sorted(names)}); add the column to the file")
+    n = len(next(iter(table.values()))) if table else 0
+    return {c: table[c] if c in table else [None] * n for c in (*required, *optional)}
+
+
+def write_rows(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
+    """Write rows (dicts with the same keys) to a ``.parquet`` or ``.jsonl`` file; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix in JSONL_SUFFIXES:
+        with path.open("w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        return path
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(list(rows)), path)
+    return path

@@ -1,0 +1,254 @@
+"""RewardManager: scores a batch of responses with rule-based / custom scorers, safely.
+
+This module owns calling scorers and turning their results into rewards. Each sample is scored by a
+:data:`~hybridrl.rewards.registry.ScoreFn`; a scorer that raises, returns something that is not a finite
+number, or runs past ``timeout_s`` gives reward 0 and is counted (``reward/errors``, ``reward/timeouts``)
+and logged, never a crash. The sequence score goes on the last valid response token: token-level scores
+``(batch, response_len)``.
+
+Timeouts without signals: each call runs in its own daemon thread (at most ``max_workers`` at once) and
+the caller stops waiting for it after ``timeout_s`` seconds from its start. This works from any thread
+(signals only work in the main thread) and never blocks interpreter exit. Python cannot kill a thread: a
+timed-out scorer keeps running in the background until it returns, its result ignored; a scorer that
+never returns keeps a thread (and some CPU) for the life of the process, and a scorer stuck inside C code
+that holds the GIL (e.g. a pathological regex) delays everything until it returns. ``timeout_s=None`` runs
+scorers inline (errors still caught, no timeouts).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from hybridrl.protocol import DataProto
+from hybridrl.rewards.registry import ScoreFn, default_compute_score, fixed_scorer, get_scorer, load_custom_scorer
+
+logger = logging.getLogger(__name__)
+
+OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+
+
+def run_with_timeouts(
+    calls: Sequence[Callable[[], Any]], timeout_s: float | None, max_workers: int = 8
+) -> list[tuple[str, Any]]:
+    """Run ``calls`` with at most ``max_workers`` at once; each gets ``timeout_s`` seconds from its start.
+
+    A timed-out call's thread is abandoned, not stopped, and no longer counts against ``max_workers``.
+
+    Returns:
+        One ``(status, value)`` per call, in order: ``("ok", result)``, ``("error", exception)`` or
+        ``("timeout", None)``.
+    """
+    outcomes: list[tuple[str, Any]] = [(TIMEOUT, None)] * len(calls)
+    if timeout_s is None:
+        for i, call in enumerate(calls):
+            try:
+                outcomes[i] = (OK, call())
+            except (Exception, SystemExit) as err:
+                outcomes[i] = (ERROR, err)
+        return outcomes
+    done: queue.SimpleQueue[tuple[int, str, Any]] = queue.SimpleQueue()
+    pending, running = deque(range(len(calls))), {}  # running: call index -> deadline
+
+    def target(i: int) -> None:
+        try:
+            done.put((i, OK, calls[i]()))
+        except BaseException as err:  # a scorer calling sys.exit() must not take the trainer down
+            done.put((i, ERROR, err))
+
+    while pending or running:
+        while pending and len(running) < max(1, max_workers):
+            i = pending.popleft()
+            running[i] = time.monotonic() + timeout_s
+            threading.Thread(target=target, args=(i,), daemon=True, name=f"hybridrl-scorer-{i}").start()
+        try:
+            i, status, value = done.get(timeout=max(0.0, min(running.values()) - time.monotonic()))
+            if running.pop(i, None) is not None:  # else: a late result of a call already timed out
+                outcomes[i] = (status, value)
+        except queue.Empty:
+            now = time.monotonic()
+            for i in [i for i, deadline in running.items() if deadline <= now]:
+                del running[i]  # outcome stays TIMEOUT
+    return outcomes
+
+
+def _as_score(value: Any) -> float:
+    """A scorer's result as a finite float (dicts give their "score"); raises ValueError otherwise."""
+    if isinstance(value, dict):
+        value = value.get("score")
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, numbers.Real) and math.isfinite(float(value)):  # also numpy scalars
+        return float(value)
+    raise ValueError(f"scorer returned {value!r}; it must return a finite number (or a dict with 'score')")
+
+
+def last_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Put each sequence score on its last valid response token.
+
+    Args:
+        scores: ``(batch,)`` sequence-level scores.
+        response_mask: ``(batch, response_len)``, 1 on response tokens (a row of zeros gets no reward).
+
+    Returns:
+        ``(batch, response_len)`` float32, zero except at each row's last valid token.
+    """
+    mask = response_mask.bool()
+    b, r = mask.shape
+    last = r - 1 - mask.flip(-1).int().argmax(-1)
+    out = torch.zeros(b, r, dtype=torch.float32, device=response_mask.device)
+    rows = mask.any(-1).nonzero().squeeze(-1)
+    out[rows, last[rows]] = scores.to(out)[rows]
+    return out
+
+
+@dataclass
+class RewardResult:
+    """Rewards of one batch."""
+
+    scores: torch.Tensor
+    """``(batch,)`` float32 sequence-level scores (0 where the scorer failed or timed out)."""
+    token_level_scores: torch.Tensor | None
+    """``(batch, response_len)`` float32, the score on the last valid response token; None without a mask."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """``reward/errors``, ``reward/timeouts`` (counts in this batch), ``reward/score_mean``."""
+    failures: list[tuple[int, str, str]] = field(default_factory=list)
+    """``(row, status, message)`` of each failed sample."""
+
+
+class RewardManager:
+    """Scores batches with one :data:`ScoreFn`, guarding each call.
+
+    Args:
+        score_fn: ``fn(data_source, solution_str, ground_truth, extra_info)``; default: the registry by
+            each sample's data_source.
+        timeout_s: seconds one call may take (None = inline, no timeouts).
+        max_workers: scorer calls in flight at once.
+
+    Attributes:
+        totals: running counts over all batches: ``samples``, ``errors``, ``timeouts``.
+    """
+
+    def __init__(self, score_fn: ScoreFn | None = None, timeout_s: float | None = 30.0, max_workers: int = 8):
+        self.score_fn = score_fn or default_compute_score
+        self.timeout_s, self.max_workers = timeout_s, max_workers
+        self.totals = {"samples": 0, "errors": 0, "timeouts": 0}
+
+    @classmethod
+    def from_config(cls, cfg: Any, max_workers: int = 8) -> RewardManager | None:
+        """From a :class:`~hybridrl.config.schema.RewardConfig`; None when ``reward.scorer`` is None.
+
+        ``scorer="auto"``: the custom function when ``custom.path`` is set, else the registry by data_source;
+        a scorer name: that scorer for every sample.
+        """
+        if cfg.scorer is None:
+            return None
+        if cfg.scorer == "auto":
+            fn = load_custom_scorer(cfg.custom.path, cfg.custom.name) if cfg.custom.path else default_compute_score
+        elif cfg.custom.path:
+            raise ValueError(
+                f"reward.scorer ({cfg.scorer!r}) and reward.custom.path ({cfg.custom.path!r}) are both set; "
+                "set reward.scorer=auto to use the custom function, or unset custom.path"
+            )
+        else:
+            fn = fixed_scorer(cfg.scorer)
+        return cls(fn, timeout_s=cfg.timeout_s, max_workers=max_workers)
+
+    def check_data_sources(self, data_sources: Iterable[str]) -> None:
+        """Before training: every data_source has a registered scorer (only for the registry dispatch).
+
+        Raises:
+            ValueError: the first data_source without a scorer (the message lists the known ones).
+        """
+        if self.score_fn is default_compute_score:
+            for source in data_sources:
+                get_scorer(source)
+
+    def __call__(
+        self,
+        data: DataProto,
+        responses_text: Sequence[str],
+        response_mask: torch.Tensor | None = None,
+    ) -> RewardResult:
+        """Score each row of ``data`` (non-tensors ``data_source``, ``ground_truth``, optional ``extra_info``).
+
+        Args:
+            data: the batch, ``batch`` rows.
+            responses_text: the decoded response of each row.
+            response_mask: ``(batch, response_len)``; default ``data.batch["response_mask"]``, else
+                ``attention_mask[:, -responses.shape[1]:]``, else no token-level scores.
+        """
+        n = len(data)
+        if len(responses_text) != n:
+            raise ValueError(f"score_batch: {len(responses_text)} responses for a batch of {n} rows; pass one per row")
+        nt = data.non_tensor_batch
+        for key in ("data_source", "ground_truth"):
+            if key not in nt:
+                raise KeyError(f"score_batch: the batch has no non-tensor {key!r}; batches from RLHFDataset have it")
+        extras = nt.get("extra_info", [None] * n)
+        calls = [
+            partial(self.score_fn, nt["data_source"][i], responses_text[i], nt["ground_truth"][i], extras[i])
+            for i in range(n)
+        ]
+        scores, failures = torch.zeros(n, dtype=torch.float32), []
+        for i, (status, value) in enumerate(run_with_timeouts(calls, self.timeout_s, self.max_workers)):
+            if status == OK:
+                try:
+                    scores[i] = _as_score(value)
+                    continue
+                except ValueError as err:
+                    status, value = ERROR, err
+            message = f"{type(value).__name__}: {value}" if status == ERROR else f"ran past {self.timeout_s}s"
+            failures.append((i, status, message))
+        errors = sum(s == ERROR for _, s, _ in failures)
+        timeouts = len(failures) - errors
+        if failures:
+            row, status, message = failures[0]
+            logger.warning(
+                "reward: %d errors, %d timeouts in %d samples; first: row %d (data_source %r) %s",
+                errors, timeouts, n, row, nt["data_source"][row], message,
+            )  # fmt: skip
+        self.totals["samples"] += n
+        self.totals["errors"] += errors
+        self.totals["timeouts"] += timeouts
+        metrics = {
+            "reward/errors": float(errors),
+            "reward/timeouts": float(timeouts),
+            "reward/score_mean": float(scores.mean()) if n else 0.0,
+        }
+        mask = _response_mask(data, response_mask)
+        token_level = last_token_rewards(scores, mask) if mask is not None else None
+        return RewardResult(scores, token_level, metrics, failures)
+
+
+def _response_mask(data: DataProto, response_mask: torch.Tensor | None) -> torch.Tensor | None:
+    if response_mask is not None:
+        return response_mask
+    if "response_mask" in data.batch:
+        return data.batch["response_mask"]
+    if "responses" in data.batch and "attention_mask" in data.batch:
+        return data.batch["attention_mask"][:, -data.batch["responses"].shape[1] :]
+    return None
+
+
+def score_batch(
+    data: DataProto,
+    responses_text: Sequence[str],
+    timeout_s: float | None = 30.0,
+    score_fn: ScoreFn | None = None,
+    response_mask: torch.Tensor | None = None,
+    max_workers: int = 8,
+) -> RewardResult:
+    """One-shot :class:`RewardManager` call (see there)."""
+    return RewardManager(score_fn, timeout_s, max_workers)(data, responses_text, response_mask)

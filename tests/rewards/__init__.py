@@ -1,0 +1,1 @@
+"""Tests of hybridrl.rewards."""
