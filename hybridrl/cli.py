@@ -1,11 +1,12 @@
 """The ``hybridrl`` command line (also ``python -m hybridrl``).
 
+    hybridrl train CONFIG [key=value ...]          (under torchrun / srun: one process per device)
     hybridrl validate-config CONFIG [key=value ...] [--world-size N]
     hybridrl version
 
 ``validate-config`` loads a config exactly as a run would (packaged name or path, overrides, every
 cross-field check), prints the resolved YAML and, per role, the parallel layout: which ranks are
-tensor/pipeline/data-parallel peers. ``train`` and ``export`` arrive with the trainer and checkpoints.
+tensor/pipeline/data-parallel peers. ``export`` arrives with checkpoints.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hybridrl
 USAGE = """hybridrl <command> [args]
 
 commands:
+  train CONFIG [key=value ...]             run PPO/GRPO (launch with torchrun --nproc-per-node N -m hybridrl train)
   validate-config CONFIG [key=value ...]   check a config, print it resolved and its parallel layouts
   version                                   print the version
 """
@@ -83,6 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "validate-config":
         return cmd_validate_config(rest)
+    if command == "train":
+        if not rest or rest[0].startswith("-"):
+            print("usage: hybridrl train CONFIG [key=value ...]", file=sys.stderr)
+            return 2
+        from hybridrl.trainer.main import train
+
+        train(rest[0], rest[1:])
+        return 0
     print(f"unknown command {command!r}; run 'hybridrl --help' for the list", file=sys.stderr)
     return 2
 

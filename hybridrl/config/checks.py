@@ -267,7 +267,7 @@ def check_sources(cfg: RunConfig, world: int) -> None:
                 _fail(f"{key} is null and model.path is null; set model.path or the architecture to build", key)
         if m.architecture.num_attention_heads is None:
             _fail("model.architecture.num_attention_heads is null and model.path is null; set it", "model.path")
-    if not cfg.data.train_files:
+    if not cfg.data.train_files and not cfg.data.demo_task:
         _fail("data.train_files is empty; set data.train_files=[/path/to/train.parquet]", "data.train_files")
     rw = cfg.reward
     if rw.model.enable and not rw.model.path:

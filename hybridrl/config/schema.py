@@ -161,6 +161,8 @@ class AlgorithmConfig:
 class DataConfig:
     """Prompt datasets and batch shape."""
 
+    demo_task: bool = False
+    """Make the quickstart's "copy the digits" task on the spot (train_files / val_files are then unused)."""
     train_files: list[str] = field(default_factory=list)
     """Training parquet/jsonl files (one prompt per row)."""
     val_files: list[str] = field(default_factory=list)

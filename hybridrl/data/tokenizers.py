@@ -127,7 +127,10 @@ class SentencePieceTokenizer(Tokenizer):
         return list(self.sp.encode(text))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        ids = [int(i) for i in ids]
+        # Models often have more embedding rows than the tokenizer has pieces (padding to a multiple of 64):
+        # a sampled id past the vocabulary decodes to nothing.
+        size = self.sp.get_piece_size()
+        ids = [int(i) for i in ids if 0 <= int(i) < size]
         if skip_special_tokens:  # sentencepiece drops control ids (pad/bos/eos) itself; keep chat markers
             ids = [i for i in ids if not self.sp.is_control(i)]
         return self.sp.decode(ids)

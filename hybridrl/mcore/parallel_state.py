@@ -80,3 +80,26 @@ def p2p_settings() -> dict[str, bool]:
     if dist.is_initialized() and dist.get_backend() == "gloo":
         return {"batch_p2p_comm": False, "batch_p2p_sync": False}
     return {"batch_p2p_comm": True, "batch_p2p_sync": True}
+
+
+def data_parallel_info() -> tuple[int, int, object]:
+    """(size, rank, process group) of this rank's Megatron data-parallel group."""
+    return (
+        mpu.get_data_parallel_world_size(),
+        mpu.get_data_parallel_rank(),
+        mpu.get_data_parallel_group(),
+    )
+
+
+def rollout_replica_info(rollout_tp: int) -> tuple[int, int, object]:
+    """(size, rank, group) over the vLLM replicas: ranks with the same rollout-TP rank (consecutive TP blocks).
+
+    Collective on first use for ``rollout_tp > 1`` (every rank creates every group, in the same order).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if rollout_tp == 1:
+        return world, rank, None
+    if world % rollout_tp:
+        raise LayoutError(f"rollout.tp_size ({rollout_tp}) must divide the world size ({world})")
+    groups = [dist.new_group(list(range(t, world, rollout_tp))) for t in range(rollout_tp)]
+    return world // rollout_tp, rank // rollout_tp, groups[rank % rollout_tp]

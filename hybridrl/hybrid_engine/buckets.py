@@ -1,0 +1,104 @@
+"""Bucket transport: pack one pipeline stage's shards into a flat bucket and give every rank all TP shards of it.
+
+Per bucket (see :class:`~hybridrl.hybrid_engine.planner.Bucket`), two collectives at most:
+
+1. ``broadcast`` over the pipeline group from the owning stage (skipped at PP 1): every stage's rank with
+   the same TP (and DP) coordinates now holds the owner's local bucket;
+2. ``all_gather`` over the training TP group (skipped at TP 1): every rank holds
+   ``[tp rank 0's bucket | tp rank 1's | ...]``, the gathered buffer the plan's block offsets refer to.
+
+Broadcasting before gathering moves one bucket over the pipeline links instead of TP of them. With
+``slots=2`` the all_gather of bucket k+1 runs (async) while the caller copies out of bucket k; buffers are
+allocated once at the largest bucket and reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.hybrid_engine.planner import Bucket
+
+
+def _all_gather(output: torch.Tensor, local: torch.Tensor, group: Any, async_op: bool):
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.10+
+    return gather(output, local, group=group, async_op=async_op)
+
+
+class _Pending:
+    def __init__(self, gathered: torch.Tensor, work: Any) -> None:
+        self.gathered, self.work = gathered, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.gathered
+
+
+class BucketMover:
+    """Moves buckets for one rank; :meth:`start` returns a handle whose ``wait()`` gives the gathered buffer.
+
+    Args:
+        buckets: the plan's buckets (same list, same order, on every rank).
+        params: this rank's Megatron shards by name (only its own stage's are read).
+        stage: this rank's pipeline stage.
+        tp_size: training TP size (the gathered buffer holds ``tp_size`` buckets).
+        tp_group / pp_group: the training process groups.
+        pp_ranks: global rank of each stage in this rank's pipeline group.
+        dtype / device: of the buckets (packing casts the shards to ``dtype``).
+        slots: 2 = double buffering (async all_gather of the next bucket), 1 = one bucket at a time.
+        on_collective: called once per collective with the bytes it brought into this rank's buffers.
+    """
+
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        params: dict[str, torch.Tensor],
+        stage: int,
+        tp_size: int,
+        tp_group: Any,
+        pp_group: Any,
+        pp_ranks: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int = 2,
+        on_collective: Callable[[int], None] | None = None,
+    ) -> None:
+        self.buckets, self.params, self.stage = buckets, params, stage
+        self.tp_size, self.tp_group, self.pp_group, self.pp_ranks = tp_size, tp_group, pp_group, pp_ranks
+        self.on_collective = on_collective or (lambda _: None)
+        cap = max((b.numel for b in buckets), default=0)
+        self.local = [torch.empty(cap, dtype=dtype, device=device) for _ in range(slots)]
+        self.gathered = (
+            [torch.empty(cap * tp_size, dtype=dtype, device=device) for _ in range(slots)]
+            if tp_size > 1
+            else self.local
+        )
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of all bucket buffers (the transport's extra memory)."""
+        bufs = self.local + (self.gathered if self.tp_size > 1 else [])
+        return sum(b.numel() * b.element_size() for b in bufs)
+
+    def start(self, k: int) -> _Pending:
+        """Pack (owning stage), broadcast over PP, and launch the TP all_gather of bucket ``k``."""
+        b = self.buckets[k]
+        slot = k % len(self.local)
+        local = self.local[slot][: b.numel]
+        if b.stage == self.stage:
+            for name, offset in zip(b.names, b.offsets, strict=True):
+                param = self.params[name]
+                local[offset : offset + param.numel()].copy_(param.reshape(-1))
+        if len(self.pp_ranks) > 1:
+            dist.broadcast(local, src=self.pp_ranks[b.stage], group=self.pp_group)
+            self.on_collective(0 if b.stage == self.stage else local.numel() * local.element_size())
+        if self.tp_size == 1:
+            return _Pending(local, None)
+        gathered = self.gathered[slot][: b.numel * self.tp_size]
+        work = _all_gather(gathered, local, self.tp_group, async_op=len(self.local) > 1)
+        self.on_collective((self.tp_size - 1) * local.numel() * local.element_size())
+        return _Pending(gathered, work)

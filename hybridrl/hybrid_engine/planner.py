@@ -1,0 +1,367 @@
+"""Reshard plans from Megatron's training layout to vLLM's rollout layout: pure math, no process groups.
+
+Owns which Megatron shard (name with GLOBAL layer numbers, training TP rank, pipeline stage) feeds which
+rows of which vLLM tensor on each rollout TP rank, how the shards of each stage are packed into flat
+buckets, and the element blocks ``(src_offset, dst_offset, length)`` that ONE ``hybridrl.ops.block_copy``
+call per bucket runs. Both layouts are spelled as Hugging Face row pieces (the Megatron side by
+``hybridrl.mcore.bridge_layout``, the vLLM side by :mod:`~hybridrl.hybrid_engine.vllm_layout`); a plan is
+their intersection, so it holds for tp_rollout < tp_train, = and >.
+
+Buffers. Bucket k packs whole local shards of one stage ``[shard_a | shard_b | ...]`` (``numel`` elements,
+equal on every TP rank). After the PP broadcast and the TP all_gather every rank holds the gathered
+buffer ``[tp rank 0's bucket | tp rank 1's | ...]``; a replicated tensor (norms) is read from TP rank 0's
+copy. The destination is one flat buffer per rank holding its non-shared vLLM tensors back to back.
+
+Row-parallel tensors (``o_proj`` / ``down_proj``, split on dim 1) are planned per row: one block per
+output row and source shard, ``columns`` elements long, so destinations stay plain row-major tensors (a
+transposed plan would need a transpose copy afterwards). Blocks that continue each other are merged, so
+equal splits (tp_rollout == tp_train) collapse back to one block per shard.
+
+Shared tensors: a vLLM tensor that is one contiguous range of one Megatron shard (norms; ``o_proj`` /
+``down_proj`` / ``gate_up_proj`` at equal TP; ``qkv_proj`` when each rank has one query group; the
+embedding at TP 1, as a view of its first ``vocab`` rows) is handed out as a view of the training tensor on
+every rank that holds that shard, and is moved only if some other rank needs it.
+
+Rank mapping: rollout TP groups are consecutive global ranks, rollout rank = global rank % tp_rollout.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybridrl.distributed.layout import ParallelLayout
+from hybridrl.hybrid_engine.vllm_layout import PlanError, check_family, check_rollout_tp, rollout_maps
+from hybridrl.mcore import bridge_layout
+
+if TYPE_CHECKING:
+    from hybridrl.mcore.gpt import GPTShape
+
+
+# ---- where each Megatron tensor lives ------------------------------------------------------------------
+def layer_stage(layer: int, num_layers: int, pp: int, vpp: int = 1) -> int:
+    """Pipeline stage holding global layer ``layer`` (Megatron's even split, interleaved under VPP)."""
+    per_chunk = num_layers // (pp * vpp)
+    return (layer % (num_layers // vpp)) // per_chunk
+
+
+def source_stage(name: str, num_layers: int, pp: int, vpp: int = 1) -> int:
+    """Pipeline stage holding Megatron tensor ``name`` (embedding first, final norm and output layer last)."""
+    m = re.match(r"decoder\.layers\.(\d+)\.", name)
+    if m:
+        return layer_stage(int(m.group(1)), num_layers, pp, vpp)
+    return 0 if name.startswith("embedding.") else pp - 1
+
+
+@dataclass(frozen=True)
+class Source:
+    """One Megatron parameter as each TP rank holds it (every TP rank holds the same shape)."""
+
+    name: str
+    stage: int
+    shape: tuple[int, ...]
+    replicated: bool
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``size`` rows (dim 0) or columns (dim 1) of source shard (``src``, TP rank ``tp``) at ``src_pos`` go
+    to ``dst_pos`` of a destination tensor."""
+
+    src: str
+    tp: int
+    dim: int
+    src_pos: int
+    dst_pos: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Dest:
+    """One vLLM tensor of one rollout rank and where its rows come from."""
+
+    name: str
+    shape: tuple[int, ...]
+    segments: tuple[Segment, ...]
+    shared: tuple[str, int, int] | None
+    """(Megatron name, TP rank, element offset): the whole tensor is that contiguous range of that shard."""
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Shards of one stage packed back to back: ``names[i]`` at element ``offsets[i]``; ``numel`` per TP rank."""
+
+    stage: int
+    names: tuple[str, ...]
+    offsets: tuple[int, ...]
+    numel: int
+
+
+@dataclass
+class RankPlan:
+    """What one rank (pipeline stage, training TP rank, rollout TP rank) does in a switch."""
+
+    stage: int
+    tp_rank: int
+    rollout_rank: int
+    offsets: dict[str, int]
+    """vLLM name -> element offset in the flat destination buffer (non-shared tensors, in model order)."""
+    shared: dict[str, tuple[str, int]]
+    """vLLM name -> (Megatron name, element offset) of a tensor handed out as a view of a local parameter."""
+    dest_numel: int
+    copies: list[torch.Tensor] = field(repr=False)
+    """Per bucket: the ``(n, 3)`` int64 block plan from the gathered bucket into the destination buffer."""
+
+    @property
+    def copied_numel(self) -> int:
+        return sum(int(c[:, 2].sum()) for c in self.copies if len(c))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _shape_along(full: tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:
+    return tuple(size if d == dim else s for d, s in enumerate(full))
+
+
+# ---- element blocks ------------------------------------------------------------------------------------
+def segment_blocks(seg: Segment, src_shape: tuple, dst_shape: tuple, src_base: int, dst_base: int) -> torch.Tensor:
+    """The ``(n, 3)`` element blocks of ``seg`` between row-major shards at ``src_base`` / ``dst_base``."""
+    if seg.dim == 0:
+        row = _numel(tuple(src_shape[1:]))
+        return torch.tensor([[src_base + seg.src_pos * row, dst_base + seg.dst_pos * row, seg.size * row]])
+    rows = torch.arange(src_shape[0], dtype=torch.int64)
+    return torch.stack(
+        [
+            src_base + rows * src_shape[1] + seg.src_pos,
+            dst_base + rows * dst_shape[1] + seg.dst_pos,
+            torch.full_like(rows, seg.size),
+        ],
+        dim=1,
+    )
+
+
+def coalesce(blocks: torch.Tensor) -> torch.Tensor:
+    """Merge consecutive blocks that continue each other on both sides (order kept)."""
+    if len(blocks) < 2:
+        return blocks
+    src, dst, n = blocks.unbind(1)
+    starts = torch.ones(len(blocks), dtype=torch.bool)
+    starts[1:] = (src[1:] != src[:-1] + n[:-1]) | (dst[1:] != dst[:-1] + n[:-1])
+    group = torch.cumsum(starts.long(), 0) - 1
+    lengths = torch.zeros(int(starts.sum()), dtype=torch.int64).index_add_(0, group, n)
+    return torch.stack([src[starts], dst[starts], lengths], dim=1)
+
+
+# ---- the plan ------------------------------------------------------------------------------------------
+class ReshardPlan:
+    """The reshard of ``shape`` from ``layout`` (training) to rollout TP size ``rollout_tp``.
+
+    Args:
+        shape: the model (``padded_vocab_size`` as the training model was built, for ``layout.tp``).
+        layout: the training layout (tp, pp, vpp, dp; its world size bounds the rollout TP size).
+        rollout_tp: vLLM's tensor-parallel size.
+        family: HF ``model_type`` (see ``vllm_layout.FAMILIES``).
+        bucket_bytes: capacity of one bucket; must hold the largest shard that moves.
+        element_size: bytes per element of the buckets (the rollout dtype).
+        fused_norms: TransformerEngine's layer spec (norm weights inside ``linear_qkv`` / ``linear_fc1``).
+        pad_vocab: pad the vocab like vLLM's parameters; None = only at ``rollout_tp > 1``.
+        share: hand out views of training tensors where the layouts agree (False: copy everything, e.g.
+            when the rollout dtype differs from the training dtype).
+    """
+
+    def __init__(
+        self,
+        shape: GPTShape,
+        layout: ParallelLayout,
+        rollout_tp: int,
+        family: str = "llama",
+        bucket_bytes: int = 256 * 2**20,
+        element_size: int = 2,
+        fused_norms: bool = False,
+        pad_vocab: bool | None = None,
+        share: bool = True,
+    ) -> None:
+        check_family(family)
+        pad_vocab = rollout_tp > 1 if pad_vocab is None else pad_vocab
+        check_rollout_tp(shape, rollout_tp, layout.world_size, pad_vocab)
+        _check_training(shape, layout)
+        self.shape, self.layout, self.rollout_tp = shape, layout, rollout_tp
+        self.bucket_bytes, self.element_size, self.share = bucket_bytes, element_size, share
+        self.sources, homes = self._sources(fused_norms)
+        maps = rollout_maps(shape, rollout_tp, family, pad_vocab)
+        self.dests = [self._dests([(m, m.pieces(j)) for m in maps], homes) for j in range(rollout_tp)]
+        self.needed = self._needed()
+        self.buckets = self._buckets()
+        self.bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b.names}
+        self.offset_in_bucket = {n: o for b in self.buckets for n, o in zip(b.names, b.offsets, strict=True)}
+
+    # sources and destinations
+    def _sources(self, fused_norms: bool) -> tuple[dict[str, Source], dict[str, list]]:
+        shape, lay = self.shape, self.layout
+        hf = bridge_layout.hf_shapes(shape)
+        sources: dict[str, Source] = {}
+        homes: dict[str, list] = {}  # HF name -> [(megatron name, tp rank, dim, position, hf start, hf stop)]
+        for m in bridge_layout.tensor_maps(shape, lay.tp, fused_norms=fused_norms):
+            if m.megatron == "output_layer.weight" and shape.tie_embeddings:
+                continue  # vLLM ties lm_head to embed_tokens: the output layer copy is never read
+            full = hf[m.hf_names[0]]
+            rows = sum(p.size for p in m.pieces(0))
+            stage = source_stage(m.megatron, shape.num_layers, lay.pp, lay.vpp)
+            sources[m.megatron] = Source(m.megatron, stage, _shape_along(full, m.dim, rows), m.replicated)
+            for tp_rank in range(len(m.shards)):
+                pos = 0
+                for p in m.pieces(tp_rank):
+                    if p.hf is not None:
+                        homes.setdefault(p.hf, []).append((m.megatron, tp_rank, m.dim, pos, p.start, p.stop))
+                    pos += p.size
+        return sources, homes
+
+    def _dests(self, maps: list[tuple[bridge_layout.TensorMap, tuple]], homes: dict[str, list]) -> list[Dest]:
+        hf = bridge_layout.hf_shapes(self.shape)
+        out = []
+        for m, pieces in maps:
+            segments, pos = [], 0
+            for p in pieces:
+                if p.hf is not None:
+                    for src, tp_rank, dim, spos, start, stop in homes[p.hf]:
+                        lo, hi = max(start, p.start), min(stop, p.stop)
+                        if lo < hi:
+                            assert dim == m.dim, f"{m.megatron}: Megatron splits {p.hf} on dim {dim}, vLLM on {m.dim}"
+                            segments.append(Segment(src, tp_rank, dim, spos + lo - start, pos + lo - p.start, hi - lo))
+                pos += p.size
+            shape = _shape_along(hf[m.hf_names[0]], m.dim, pos)
+            out.append(Dest(m.megatron, shape, tuple(segments), self._shared(segments, shape)))
+        return out
+
+    def _shared(self, segments: list[Segment], shape: tuple) -> tuple[str, int, int] | None:
+        if not self.share or not segments or len({(s.src, s.tp) for s in segments}) != 1:
+            return None
+        src = self.sources[segments[0].src]
+        if segments[0].dim == 1:  # columns: contiguous only when the one segment spans whole rows on both sides
+            whole = len(segments) == 1 and segments[0].size == src.shape[1] == shape[1]
+            return (src.name, segments[0].tp, 0) if whole else None
+        blocks = coalesce(torch.cat([segment_blocks(s, src.shape, shape, 0, 0) for s in segments]))
+        if len(blocks) == 1 and int(blocks[0, 1]) == 0 and int(blocks[0, 2]) == _numel(shape):
+            return segments[0].src, segments[0].tp, int(blocks[0, 0])
+        return None
+
+    def is_shared(self, dest: Dest, stage: int, tp_rank: int) -> bool:
+        """True when a rank at (``stage``, ``tp_rank``) holds the one shard ``dest`` is a view of."""
+        if dest.shared is None:
+            return False
+        src = self.sources[dest.shared[0]]
+        return src.stage == stage and (src.replicated or dest.shared[1] == tp_rank)
+
+    def _roles(self) -> set[tuple[int, int, int]]:
+        """Distinct (stage, training TP rank, rollout TP rank) over the world."""
+        lay = self.layout
+        return {(c.pp, c.tp, r % self.rollout_tp) for r in range(lay.world_size) for c in [lay.coords(r)]}
+
+    def _needed(self) -> set[str]:
+        needed = set()
+        for stage, tp_rank, j in self._roles():
+            for d in self.dests[j]:
+                if not self.is_shared(d, stage, tp_rank):
+                    needed.update(s.src for s in d.segments)
+        return needed
+
+    def _buckets(self) -> list[Bucket]:
+        capacity = self.bucket_bytes // self.element_size
+        moving = [s for s in self.sources.values() if s.name in self.needed]
+        if moving:
+            largest = max(moving, key=lambda s: s.numel)
+            if largest.numel > capacity:
+                need = largest.numel * self.element_size
+                raise PlanError(
+                    f"hybrid_engine.bucket_bytes ({self.bucket_bytes}) is smaller than the largest tensor shard "
+                    f"{largest.name} ({need} bytes); set bucket_bytes >= {need}"
+                )
+        buckets = []
+        for stage in range(self.layout.pp):
+            names: list[str] = []
+            offsets: list[int] = []
+            used = 0
+            for s in (s for s in moving if s.stage == stage):
+                if used + s.numel > capacity and names:
+                    buckets.append(Bucket(stage, tuple(names), tuple(offsets), used))
+                    names, offsets, used = [], [], 0
+                names.append(s.name)
+                offsets.append(used)
+                used += s.numel
+            if names:
+                buckets.append(Bucket(stage, tuple(names), tuple(offsets), used))
+        return buckets
+
+    # per rank
+    def for_rank(self, stage: int, tp_rank: int, rollout_rank: int, merge: bool = True) -> RankPlan:
+        """The plan of a rank at pipeline ``stage``, training TP rank ``tp_rank``, rollout TP rank ``rollout_rank``.
+
+        ``merge=False`` keeps one block per segment (and per row of a dim-1 split), each inside one contiguous
+        run of HF rows on both sides: what a checker wants; the kernel wants the merged plan.
+        """
+        offsets, shared, blocks = {}, {}, [[] for _ in self.buckets]
+        used = 0
+        for d in self.dests[rollout_rank]:
+            if self.is_shared(d, stage, tp_rank):
+                shared[d.name] = (d.shared[0], d.shared[2])
+                continue
+            offsets[d.name] = used
+            for seg in d.segments:
+                k = self.bucket_of[seg.src]
+                b = self.buckets[k]
+                base = seg.tp * b.numel + self.offset_in_bucket[seg.src]
+                blocks[k].append(segment_blocks(seg, self.sources[seg.src].shape, d.shape, base, used))
+            used += d.numel
+        empty = torch.empty(0, 3, dtype=torch.int64)
+        copies = [(coalesce if merge else _same)(torch.cat(bl)) if bl else empty for bl in blocks]
+        return RankPlan(stage, tp_rank, rollout_rank, offsets, shared, used, copies)
+
+    def for_global_rank(self, rank: int) -> RankPlan:
+        """:meth:`for_rank` of global ``rank`` (training coordinates from the layout; rollout rank = rank % tp)."""
+        c = self.layout.coords(rank)
+        return self.for_rank(c.pp, c.tp, rank % self.rollout_tp)
+
+    def describe(self) -> str:
+        """One line: layouts, tensors, buckets."""
+        moved = sum(self.sources[n].numel for b in self.buckets for n in b.names) * self.element_size
+        return (
+            f"{self.layout.describe()} -> rollout tp={self.rollout_tp}: {len(self.sources)} shards "
+            f"({len(self.needed)} move), {len(self.buckets)} buckets, {moved / 2**20:.1f} MiB per TP rank"
+        )
+
+
+def _same(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks
+
+
+def _check_training(shape: GPTShape, layout: ParallelLayout) -> None:
+    tp, pp, vpp = layout.tp, layout.pp, layout.vpp
+    if shape.num_query_groups % tp:
+        raise PlanError(f"actor.megatron.tp_size ({tp}) must divide num_key_value_heads ({shape.num_query_groups})")
+    if shape.ffn_hidden_size % tp:
+        raise PlanError(f"actor.megatron.tp_size ({tp}) must divide ffn_hidden_size ({shape.ffn_hidden_size})")
+    if shape.padded_vocab % tp:
+        raise PlanError(
+            f"padded_vocab_size ({shape.padded_vocab}) is not divisible by actor.megatron.tp_size ({tp}); "
+            f"build the shape with hybridrl.mcore.gpt.padded_vocab_size(vocab, tp)"
+        )
+    if shape.num_layers % (pp * vpp):
+        raise PlanError(
+            f"num_layers ({shape.num_layers}) must be divisible by pp ({pp}) * vpp ({vpp}) for the even stage split"
+        )

@@ -1,0 +1,60 @@
+"""What the hybrid engine reads from a Megatron model: its parameters by global name and the training groups.
+
+``hybridrl.hybrid_engine`` never imports Megatron; it gets this rank's shards (names with GLOBAL layer
+numbers, as :func:`hybridrl.mcore.bridge.global_parameters` gives them) and the tensor / pipeline process
+groups of the initialised parallel state through :func:`training_source`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from hybridrl.distributed.layout import ParallelLayout
+from hybridrl.mcore.bridge import global_parameters
+
+
+@dataclass
+class TrainingSource:
+    """This rank's Megatron shards and its place in the training layout."""
+
+    params: dict[str, torch.Tensor] = field(repr=False)
+    """Megatron name (global layer numbers) -> the parameter's data (no copy)."""
+    layout: ParallelLayout
+    tp_rank: int
+    pp_rank: int
+    tp_group: Any
+    pp_group: Any
+    pp_ranks: list[int]
+    """Global rank of each pipeline stage in this rank's pipeline group (index = stage)."""
+    fused_norms: bool
+    """TransformerEngine's spec: norm weights live in ``linear_qkv`` / ``linear_fc1``."""
+
+
+def training_source(chunks: list[torch.nn.Module]) -> TrainingSource:
+    """This rank's parameters and groups on the current Megatron parallel state."""
+    params = {name: p.data for name, p in global_parameters(chunks)}
+    pp_group = mpu.get_pipeline_model_parallel_group()
+    pp = mpu.get_pipeline_model_parallel_world_size()
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
+    layout = ParallelLayout.from_world(
+        dist.get_world_size(),
+        tp=mpu.get_tensor_model_parallel_world_size(),
+        pp=pp,
+        cp=mpu.get_context_parallel_world_size(),
+        vpp=vpp,
+    )
+    return TrainingSource(
+        params=params,
+        layout=layout,
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        tp_group=mpu.get_tensor_model_parallel_group(),
+        pp_group=pp_group,
+        pp_ranks=[dist.get_global_rank(pp_group, s) for s in range(pp)],
+        fused_norms=any(n.endswith("linear_qkv.layer_norm_weight") for n in params),
+    )

@@ -1,0 +1,60 @@
+"""``hybridrl train CONFIG [key=value ...]``: one PPO/GRPO run, launched by torchrun or srun (SPMD).
+
+    torchrun --nproc-per-node 2 -m hybridrl train tiny_cpu.yaml algorithm.adv_estimator=grpo
+
+Order: launch environment -> config (every check, before any model) -> Megatron groups -> data and
+tokenizer (the demo task when ``data.demo_task``) -> role workers -> ``fit()``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from hybridrl.config import RunConfig, load_config
+from hybridrl.distributed import ParallelLayout, init_distributed, init_model_parallel
+
+
+def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
+    """(model path, tokenizer, train files, val files); makes the demo assets first when asked."""
+    from hybridrl.data.tokenizers import load_tokenizer
+
+    if cfg.data.demo_task:
+        from hybridrl.trainer.demo_assets import make_demo_assets
+
+        out = os.path.join(cfg.trainer.default_local_dir, "demo")
+        if dist.get_rank() == 0:
+            make_demo_assets(cfg, out)
+        dist.barrier()
+        tokenizer = load_tokenizer(os.path.join(out, "tokenizer.model"))
+        model_path = cfg.model.path or os.path.join(out, "model")
+        return model_path, tokenizer, [os.path.join(out, "train.parquet")], [os.path.join(out, "val.parquet")]
+    if cfg.model.path is None:
+        raise ValueError("model.path is null and data.demo_task is false; set model.path to an HF checkpoint folder")
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    return cfg.model.path, tokenizer, list(cfg.data.train_files), list(cfg.data.val_files)
+
+
+def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
+    """Run ``config`` with ``overrides`` in this (already launched) process; returns the metric history."""
+    penv = init_distributed()
+    cfg = load_config(config, overrides, world_size=penv.world_size)
+    m = cfg.actor.megatron
+    layout = ParallelLayout.from_world(penv.world_size, tp=m.tp_size, pp=m.pp_size, cp=m.cp_size, vpp=m.vpp_size)
+    init_model_parallel(layout, seed=cfg.trainer.seed)
+
+    from hybridrl.data import RLHFDataset
+    from hybridrl.rewards import RewardManager
+    from hybridrl.trainer.rl_trainer import RLTrainer
+
+    model_path, tokenizer, train_files, val_files = _data(cfg)
+    train_ds = RLHFDataset(train_files, tokenizer, cfg.data)
+    val_ds = RLHFDataset(val_files, tokenizer, cfg.data) if val_files else None
+    reward = RewardManager.from_config(cfg.reward)
+    reward.check_data_sources(train_ds.data_sources)
+    if penv.rank == 0:
+        print(f"[hybridrl] {layout.describe()}; {train_ds.summary()}", flush=True)
+    trainer = RLTrainer(cfg, model_path, tokenizer, train_ds, val_ds, reward)
+    return trainer.fit()

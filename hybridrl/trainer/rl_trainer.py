@@ -1,0 +1,197 @@
+"""The PPO / GRPO loop: ``RLTrainer(cfg, ...).fit()`` sequences the stages of one step (DESIGN.md).
+
+    prompts -> [switch to generation layout] -> vLLM responses -> rewards -> old log-probs (actor)
+    -> reference log-probs / values -> KL in reward -> advantages (registry) -> critic update -> actor update
+
+PPO (critic + GAE) and GRPO (no critic) differ only in config: ``algorithm.adv_estimator`` picks the
+estimator from :mod:`hybridrl.algos.advantages`, and the critic / reference workers exist when the config
+enables them. Every process runs this loop (SPMD); rank 0 writes metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybridrl.algos.advantages import compute_advantages
+from hybridrl.algos.kl import apply_kl_penalty, make_kl_controller
+from hybridrl.config import RunConfig
+from hybridrl.data.loader import PromptLoader
+from hybridrl.protocol import DataProto
+from hybridrl.trainer.tracking import StageTimer, Tracker
+from hybridrl.workers import ClassWithInitArgs, ResourcePool, WorkerGroup
+from hybridrl.workers.megatron_workers import ActorRolloutWorker, CriticWorker, ReferenceWorker
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((x * mask).sum() / mask.sum().clamp(min=1))
+
+
+class RLTrainer:
+    """Builds the role worker groups on one resource pool and runs ``fit()``.
+
+    Args:
+        cfg: a resolved run config (``load_config``).
+        model_path: HF folder of the policy (actor, reference, rollout and, by default, critic start here).
+        tokenizer: a :class:`hybridrl.data.tokenizers.Tokenizer` (decodes responses for the scorers).
+        train_dataset / val_dataset: :class:`hybridrl.data.RLHFDataset` (val may be None).
+        reward_manager: :class:`hybridrl.rewards.RewardManager`.
+    """
+
+    def __init__(self, cfg: RunConfig, model_path: str, tokenizer: Any, train_dataset: Any, val_dataset: Any,
+                 reward_manager: Any) -> None:  # fmt: skip
+        self.cfg, self.tokenizer, self.reward = cfg, tokenizer, reward_manager
+        pool = ResourcePool(
+            process_on_nodes=list(cfg.resources.process_on_nodes),
+            use_gpu=torch.cuda.is_available(),
+            max_colocate_count=cfg.resources.max_colocate_count,
+        )
+        self.actor = WorkerGroup(pool, ClassWithInitArgs(ActorRolloutWorker, cfg, model_path))
+        self.ref = WorkerGroup(pool, ClassWithInitArgs(ReferenceWorker, cfg, model_path)) if cfg.ref.enable else None
+        critic_path = cfg.critic.model_path or model_path
+        self.critic = (
+            WorkerGroup(pool, ClassWithInitArgs(CriticWorker, cfg, critic_path)) if cfg.critic.enable else None
+        )
+        self.loader = PromptLoader(
+            train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
+        )
+        self.val_dataset = val_dataset
+        self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        log_dir = os.path.join(cfg.trainer.default_local_dir, "logs")
+        self.tracker = Tracker(cfg.trainer.loggers, log_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
+                               total_steps=cfg.trainer.total_steps, rank=rank)  # fmt: skip
+        self.step = 0
+
+    # ---- stages ------------------------------------------------------------------------------------------
+    def _rollout(self, prompts: DataProto, **sampling: Any) -> tuple[DataProto, dict[str, float]]:
+        switch = self.actor.worker.sync_rollout_weights()
+        gen = self.actor.generate_sequences(prompts, **sampling)
+        return gen, switch
+
+    def _score(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        responses, mask = batch.batch["responses"], batch.batch["response_mask"]
+        texts = [self.tokenizer.decode(r[m.bool()].tolist()) for r, m in zip(responses, mask, strict=True)]
+        result = self.reward(batch, texts, mask)
+        return result.token_level_scores, {k: float(v) for k, v in result.metrics.items()}
+
+    def _advantages(self, batch: DataProto) -> dict[str, float]:
+        a, mask = self.cfg.algorithm, batch.batch["response_mask"]
+        scores = batch.batch["token_level_scores"]
+        metrics: dict[str, float] = {}
+        rewards = scores
+        if a.use_kl_in_reward:
+            rewards, kl_m = apply_kl_penalty(scores, batch.batch["old_log_probs"], batch.batch["ref_log_probs"],
+                                             mask, self.kl_ctrl, kl_type=a.kl_penalty)  # fmt: skip
+            metrics.update({f"actor/reward_{k}": float(v) for k, v in kl_m.items()})
+        batch.batch["token_level_rewards"] = rewards
+        adv, returns = compute_advantages(
+            a.adv_estimator,
+            token_level_rewards=rewards,
+            values=batch.batch.get("values"),
+            response_mask=mask,
+            index=batch.non_tensor_batch.get("uid"),
+            gamma=a.gamma,
+            lam=a.lam,
+            norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+        )
+        batch.batch["advantages"], batch.batch["returns"] = adv, returns
+        metrics["critic/advantages_mean"] = _masked_mean(adv, mask)
+        metrics["critic/returns_mean"] = _masked_mean(returns, mask)
+        return metrics
+
+    def train_step(self, prompts: DataProto) -> dict[str, float]:
+        """One PPO/GRPO step on a batch of prompts; returns its metrics."""
+        timer, metrics = StageTimer(), {}
+        start = time.perf_counter()
+        with timer("rollout"):
+            batch, switch = self._rollout(prompts)
+        metrics.update(switch)
+        with timer("reward"):
+            batch.batch["token_level_scores"], reward_m = self._score(batch)
+        with timer("old_log_prob"):
+            batch = batch.union(self.actor.compute_log_prob(batch))
+        if self.ref is not None:
+            with timer("ref"):
+                batch = batch.union(self.ref.compute_ref_log_prob(batch))
+        if self.critic is not None:
+            with timer("values"):
+                batch = batch.union(self.critic.compute_values(batch))
+        with timer("adv"):
+            metrics.update(self._advantages(batch))
+        if self.critic is not None:
+            with timer("update_critic"):
+                metrics.update(self.critic.update_critic(batch).meta_info["metrics"])
+        with timer("update_actor"):
+            metrics.update(self.actor.update_actor(batch).meta_info["metrics"])
+        metrics.update(reward_m)
+        metrics.update(self._batch_metrics(batch))
+        elapsed = time.perf_counter() - start
+        metrics.update(timer.metrics(), **{"timing_s/step": elapsed})
+        metrics["perf/tokens_per_s"] = float(batch.batch["attention_mask"].sum()) / elapsed
+        return metrics
+
+    def _batch_metrics(self, batch: DataProto) -> dict[str, float]:
+        b, mask = batch.batch, batch.batch["response_mask"]
+        lengths = mask.sum(1).float()
+        seq_scores = b["token_level_scores"].sum(1)
+        out = {
+            "reward/mean": float(seq_scores.mean()),
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/clip_ratio": float(np.mean(batch.non_tensor_batch["finish_reasons"] == "length")),
+            "rollout/logprob_mismatch": _masked_mean((b["old_log_probs"] - b["rollout_log_probs"]).abs(), mask),
+            "actor/entropy_mean": _masked_mean(b["entropy"], mask),
+        }
+        if "ref_log_probs" in b:
+            out["actor/kl"] = _masked_mean(b["old_log_probs"] - b["ref_log_probs"], mask)
+        if "values" in b:
+            out["critic/value_error"] = _masked_mean((b["values"] - b["returns"]).abs(), mask)
+        if torch.cuda.is_available():
+            out["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        else:
+            import resource
+
+            out["perf/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        return out
+
+    def validate(self) -> dict[str, float]:
+        """Greedy (``rollout.val``) responses on the whole validation set: mean reward."""
+        if self.val_dataset is None:
+            return {}
+        from hybridrl.data.dataset import collate
+
+        v = self.cfg.rollout.val
+        prompts = collate([self.val_dataset[i] for i in range(len(self.val_dataset))])
+        batch, _ = self._rollout(prompts, n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k)
+        scores, _ = self._score(batch)
+        return {"val/reward/mean": float(scores.sum(1).mean()), "val/n": float(len(batch))}
+
+    def fit(self) -> list[dict[str, float]]:
+        """Train for ``trainer.total_steps`` steps; validate every ``trainer.test_freq`` (and before/after)."""
+        t, history = self.cfg.trainer, []
+        if t.test_freq > 0 and self.val_dataset is not None:
+            first = self.validate()
+            self.tracker.log(first, step=0)
+            history.append(first)
+        batches = iter(self.loader)
+        while self.step < t.total_steps:
+            try:
+                prompts = next(batches)
+            except StopIteration:
+                batches = iter(self.loader)
+                prompts = next(batches)
+            self.step += 1
+            metrics = self.train_step(prompts)
+            last = self.step == t.total_steps
+            if t.test_freq > 0 and self.val_dataset is not None and (self.step % t.test_freq == 0 or last):
+                metrics.update(self.validate())
+            self.tracker.log(metrics, step=self.step)
+            history.append(metrics)
+        self.tracker.close()
+        return history

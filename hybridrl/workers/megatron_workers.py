@@ -1,0 +1,248 @@
+"""The role workers of a PPO/GRPO step on Megatron (training) and vLLM (generation).
+
+Each worker builds its model on the already-initialised Megatron groups (all roles share them) and
+exposes registered methods; :class:`~hybridrl.workers.group.WorkerGroup` splits their DataProto over the
+data-parallel ranks and gathers the results (see :mod:`hybridrl.workers.dispatch`).
+
+- :class:`ActorRolloutWorker`: ``generate_sequences`` (hybrid engine switch + vLLM), ``compute_log_prob``,
+  ``update_actor`` (PPO clip + entropy + optional KL loss, mini-batches x epochs);
+- :class:`CriticWorker`: ``compute_values``, ``update_critic`` (clipped value loss);
+- :class:`ReferenceWorker`: ``compute_ref_log_prob``;
+- :class:`RewardModelWorker`: ``compute_rm_score`` (score at the last response token).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from hybridrl.algos.kl import kl_penalty
+from hybridrl.algos.losses import entropy_bonus, ppo_clip_loss, value_loss
+from hybridrl.config import RunConfig
+from hybridrl.mcore import compute, roles
+from hybridrl.mcore.optimizer import OptimConfig, build_optimizer
+from hybridrl.mcore.parallel_state import data_parallel_info, rollout_replica_info
+from hybridrl.protocol import DataProto
+from hybridrl.workers.dispatch import Dispatch, register
+
+COMPUTE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+
+
+def optim_config(section: Any, total_steps: int) -> OptimConfig:
+    """mcore's optimizer settings from a config ``optim`` section."""
+    warmup = section.lr_warmup_steps
+    if warmup is None:
+        warmup = int(section.lr_warmup_ratio * total_steps)
+    return OptimConfig(
+        lr=section.lr,
+        min_lr=section.min_lr,
+        warmup_steps=warmup,
+        total_steps=total_steps,
+        lr_decay_style=section.lr_decay_style,
+        weight_decay=section.weight_decay,
+        betas=tuple(section.betas),
+        eps=section.eps,
+        clip_grad=section.clip_grad,
+        use_distributed_optimizer=torch.cuda.is_available(),
+    )
+
+
+def _tensors(data: DataProto, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    return {k: data.batch[k] for k in keys if k in data.batch}
+
+
+def _mean_metrics(results: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for r in results for k in r}
+    return {k: sum(r[k] for r in results if k in r) / sum(1 for r in results if k in r) for k in sorted(keys)}
+
+
+class _TrainedRole:
+    """Mini-batch x epoch loop shared by the actor and the critic."""
+
+    model: Any
+    optimizer: Any
+
+    def _setup_dp(self) -> None:
+        self.dp_size, self.dp_rank, self.dp_group = data_parallel_info()
+
+    def _train(self, data: DataProto, mini_batch: int, epochs: int, seed: int, step_fn) -> dict[str, float]:
+        local = mini_batch // self.dp_size
+        results = []
+        for mini in data.make_iterator(local, epochs=epochs, shuffle=True, seed=seed):
+            self.optimizer.zero_grad()
+            out = step_fn(mini)
+            res = self.optimizer.step()
+            results.append({**out.metrics, "loss": out.loss, "grad_norm": res.grad_norm, "lr": res.lr,
+                            "skipped": float(res.skipped)})  # fmt: skip
+        return _mean_metrics(results)
+
+
+class ActorRolloutWorker(_TrainedRole):
+    """Policy training on Megatron and generation in a colocated vLLM engine."""
+
+    def __init__(self, cfg: RunConfig, model_path: str, tokenizer_path: str | None = None) -> None:
+        from hybridrl.hybrid_engine import HybridEngine
+        from hybridrl.rollout import VLLMRolloutEngine
+
+        self.cfg = cfg
+        dtype = getattr(torch, cfg.model.dtype)
+        self.model = roles.build_actor(model_path, dtype=dtype)
+        self.optimizer = build_optimizer(self.model.chunks, optim_config(cfg.actor.optim, cfg.trainer.total_steps))
+        self._setup_dp()
+        self.rollout_dp_size, self.rollout_dp_rank, self.rollout_dp_group = rollout_replica_info(cfg.rollout.tp_size)
+        self.hybrid = HybridEngine.from_role(self.model, rollout_tp=cfg.rollout.tp_size)
+        self.rollout = VLLMRolloutEngine.from_config(cfg.rollout, self.model.hf_config)
+        self.weights_version = -1
+        self.version = 0
+
+    def sync_rollout_weights(self) -> dict[str, float]:
+        """Training -> generation layout (bucketed reshard) and push into vLLM; skipped when unchanged."""
+        if self.weights_version == self.version:
+            return {}
+        start = time.perf_counter()
+        tensors = self.hybrid.to_rollout()
+        push = self.rollout.update_weights(tensors.items())
+        self.hybrid.release()
+        self.weights_version = self.version
+        stats = {f"reshard/{k}": float(v) for k, v in self.hybrid.stats.as_dict().items() if _is_number(v)}
+        return {**stats, **{f"rollout/{k}": v for k, v in push.items()}, "timing_s/switch": time.perf_counter() - start}
+
+    @register(Dispatch.DP_COMPUTE, mesh="rollout")
+    def generate_sequences(self, prompts: DataProto, **sampling: Any) -> DataProto:
+        """Responses for this replica's prompts: ``n`` samples per prompt, adjacent (interleaved)."""
+        return self.rollout.generate(prompts, **sampling)
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``old_log_probs`` and ``entropy`` ``(b, r)`` of the responses under the current policy."""
+        out = compute.compute_log_probs(
+            self.model.chunks,
+            _tensors(data, COMPUTE_KEYS),
+            self.cfg.actor.ppo_micro_batch_size_per_gpu,
+            temperature=self.cfg.rollout.temperature or 1.0,
+            with_entropy=True,
+            vocab_size=self.model.shape.vocab_size,
+        )
+        return DataProto.from_dict(tensors={"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
+
+    @register(Dispatch.DP_COMPUTE)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """PPO epochs over mini-batches; returns the mean metrics (``actor/...``) in ``meta_info``."""
+        a = self.cfg.actor
+        head = compute.LogProbHead(
+            temperature=self.cfg.rollout.temperature or 1.0, with_entropy=True, vocab_size=self.model.shape.vocab_size
+        )
+
+        def loss_fn(outputs: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]):
+            mask = mb["response_mask"]
+            pg, m = ppo_clip_loss(
+                outputs["log_probs"], mb["old_log_probs"], mb["advantages"], mask, clip_ratio_low=a.clip_ratio_low,
+                clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c, per_token=True,
+            )  # fmt: skip
+            ent, em = entropy_bonus(outputs["entropy"], mask, per_token=True)
+            loss = pg - a.entropy_coeff * ent
+            metrics = {**m, **em}
+            if a.use_kl_loss:
+                kl = kl_penalty(outputs["log_probs"], mb["ref_log_probs"], a.kl_loss_type) * mask
+                loss = loss + a.kl_loss_coef * kl
+                metrics["kl_loss"] = (kl.sum() / mask.sum().clamp(min=1)).detach()
+            return loss, metrics
+
+        keys = (*COMPUTE_KEYS, "old_log_probs", "advantages", *(("ref_log_probs",) if a.use_kl_loss else ()))
+
+        def step(mini: DataProto):
+            return compute.forward_backward(
+                self.model.chunks, _tensors(mini, keys), loss_fn, a.ppo_micro_batch_size_per_gpu, head=head,
+                loss_agg_mode=a.loss_agg_mode,
+            )  # fmt: skip
+
+        metrics = self._train(data.select(keys), a.ppo_mini_batch_size, a.ppo_epochs, self.version, step)
+        self.version += 1
+        return DataProto(meta_info={"metrics": {f"actor/{k}": v for k, v in metrics.items()}})
+
+
+class CriticWorker(_TrainedRole):
+    """The value model: per-token values and the clipped value-loss update."""
+
+    def __init__(self, cfg: RunConfig, model_path: str) -> None:
+        self.cfg = cfg
+        self.model = roles.build_critic(model_path, dtype=getattr(torch, cfg.model.dtype))
+        self.optimizer = build_optimizer(self.model.chunks, optim_config(cfg.critic.optim, cfg.trainer.total_steps))
+        self._setup_dp()
+        self.version = 0
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_values(self, data: DataProto) -> DataProto:
+        mbs = self.cfg.critic.ppo_micro_batch_size_per_gpu
+        values = compute.compute_values(self.model.chunks, _tensors(data, COMPUTE_KEYS), mbs)
+        return DataProto.from_dict(tensors={"values": values})
+
+    @register(Dispatch.DP_COMPUTE)
+    def update_critic(self, data: DataProto) -> DataProto:
+        c = self.cfg.critic
+
+        def loss_fn(outputs: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]):
+            return value_loss(
+                outputs["values"], mb["values"], mb["returns"], mb["response_mask"], cliprange_value=c.cliprange_value,
+                per_token=True,
+            )  # fmt: skip
+
+        keys = (*COMPUTE_KEYS, "values", "returns")
+
+        def step(mini: DataProto):
+            return compute.forward_backward(
+                self.model.chunks, _tensors(mini, keys), loss_fn, c.ppo_micro_batch_size_per_gpu,
+                head=compute.ValuesHead(), loss_agg_mode=self.cfg.actor.loss_agg_mode,
+            )  # fmt: skip
+
+        metrics = self._train(data.select(keys), c.ppo_mini_batch_size, c.ppo_epochs, self.version, step)
+        self.version += 1
+        return DataProto(meta_info={"metrics": {f"critic/{k}": v for k, v in metrics.items()}})
+
+
+class ReferenceWorker:
+    """The frozen reference policy."""
+
+    def __init__(self, cfg: RunConfig, model_path: str) -> None:
+        self.cfg = cfg
+        self.model = roles.build_reference(
+            model_path, offload=cfg.ref.param_offload, dtype=getattr(torch, cfg.model.dtype)
+        )
+        self.dp_size, self.dp_rank, self.dp_group = data_parallel_info()
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        offloaded = self.model.offloaded
+        if offloaded:
+            self.model.onload()
+        mbs = self.cfg.ref.log_prob_micro_batch_size_per_gpu or self.cfg.actor.ppo_micro_batch_size_per_gpu
+        out = compute.compute_log_probs(
+            self.model.chunks, _tensors(data, COMPUTE_KEYS), mbs, temperature=self.cfg.rollout.temperature or 1.0,
+            vocab_size=self.model.shape.vocab_size,
+        )  # fmt: skip
+        if offloaded:
+            self.model.offload()
+        return DataProto.from_dict(tensors={"ref_log_probs": out["log_probs"]})
+
+
+class RewardModelWorker:
+    """A frozen scalar reward model: its score at each response's last valid token."""
+
+    def __init__(self, cfg: RunConfig, model_path: str) -> None:
+        self.cfg = cfg
+        self.model = roles.build_reward_model(model_path, dtype=getattr(torch, cfg.model.dtype))
+        self.dp_size, self.dp_rank, self.dp_group = data_parallel_info()
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        mbs = self.cfg.actor.ppo_micro_batch_size_per_gpu
+        values = compute.compute_values(self.model.chunks, _tensors(data, COMPUTE_KEYS), mbs)
+        mask = data.batch["response_mask"]
+        last = (mask.cumsum(1) == mask.sum(1, keepdim=True)) & mask.bool()
+        return DataProto.from_dict(tensors={"rm_scores": (values * last).sum(1)})
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
