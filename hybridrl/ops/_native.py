@@ -1,0 +1,87 @@
+"""Finding the native reshard extension: the installed ``hybridrl._reshard``, else a JIT build of ``csrc/``.
+
+``pip install -e .`` builds in an isolated environment without torch, so the extension is usually not installed;
+an editable checkout then compiles ``csrc/`` on first use with ``torch.utils.cpp_extension.load`` (about a minute
+with two cores, cached in torch's extension folder, ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``).
+On a machine where torch sees a GPU and finds nvcc, the build includes the CUDA kernel.
+
+``HYBRIDRL_NATIVE`` chooses: ``0`` never use native code; ``1`` use it, and raise if it cannot be built;
+``auto`` (default) use it when it builds, else warn once and use the PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+MODES = ("0", "1", "auto")
+
+
+def mode() -> str:
+    """The ``HYBRIDRL_NATIVE`` setting, checked."""
+    value = os.environ.get("HYBRIDRL_NATIVE", "auto")
+    if value not in MODES:
+        raise ValueError(f"HYBRIDRL_NATIVE ({value!r}) must be one of {', '.join(MODES)}")
+    return value
+
+
+def _jit_build() -> ModuleType:
+    import torch
+    from torch.utils import cpp_extension
+
+    if not (CSRC / "bindings.cpp").exists():
+        raise RuntimeError(f"hybridrl._reshard is not installed and {CSRC} (the sources) is absent")
+    sources = [CSRC / "reshard_cpu.cpp", CSRC / "bindings.cpp"]
+    cflags = ["-O3", "-fopenmp"]
+    name = "hybridrl_reshard"
+    if torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None:
+        sources.append(CSRC / "reshard_cuda.cu")
+        cflags.append("-DHYBRIDRL_WITH_CUDA")
+        name = "hybridrl_reshard_cuda"
+    return cpp_extension.load(
+        name=name,
+        sources=[str(s) for s in sources],
+        extra_cflags=cflags,
+        extra_cuda_cflags=["-O3", "-DHYBRIDRL_WITH_CUDA"],
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(CSRC)],
+    )
+
+
+@functools.cache
+def load() -> ModuleType:
+    """The extension module (``block_copy``, ``with_cuda``); builds ``csrc/`` the first time; raises on failure."""
+    try:
+        return importlib.import_module("hybridrl._reshard")
+    except ImportError:
+        return _jit_build()
+
+
+@functools.cache
+def _load_or_warn() -> ModuleType | None:
+    try:
+        return load()
+    except Exception as exc:  # any build failure (no compiler, no ninja, compile error) means: use the reference
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        warnings.warn(
+            f"hybridrl native reshard kernel unavailable, using the PyTorch reference ({first_line}); "
+            "set HYBRIDRL_NATIVE=1 to see the error, 0 to silence this",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def native_module() -> ModuleType | None:
+    """The extension per ``HYBRIDRL_NATIVE``, or None when the PyTorch reference is to be used."""
+    chosen = mode()
+    if chosen == "0":
+        return None
+    if chosen == "1":
+        return load()
+    return _load_or_warn()
