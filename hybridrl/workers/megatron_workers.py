@@ -159,6 +159,7 @@ class ActorRolloutWorker(_TrainedRole):
             )  # fmt: skip
 
         metrics = self._train(data.select(keys), a.ppo_mini_batch_size, a.ppo_epochs, self.version, step)
+        metrics["param_norm"] = _param_norm(self.model.parameters())
         self.version += 1
         return DataProto(meta_info={"metrics": {f"actor/{k}": v for k, v in metrics.items()}})
 
@@ -242,6 +243,11 @@ class RewardModelWorker:
         mask = data.batch["response_mask"]
         last = (mask.cumsum(1) == mask.sum(1, keepdim=True)) & mask.bool()
         return DataProto.from_dict(tensors={"rm_scores": (values * last).sum(1)})
+
+
+def _param_norm(params) -> float:
+    """L2 norm of this rank's parameter shards (a cheap fingerprint that the weights changed)."""
+    return float(torch.stack([p.detach().float().norm() for p in params]).norm())
 
 
 def _is_number(value: Any) -> bool:
