@@ -327,3 +327,35 @@ def build_optimizer(chunks: list[torch.nn.Module], config: OptimConfig) -> Train
             "set backend='torch' or use_distributed_optimizer=False on CPU"
         )
     return MegatronOptimizer(chunks, config) if backend == "megatron" else TorchOptimizer(chunks, config)
+
+
+def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The ``torch.optim.Optimizer`` objects inside a TorchOptimizer / MegatronOptimizer (chained ones too)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    found: list[torch.optim.Optimizer] = []
+    for candidate in getattr(inner, "chained_optimizers", None) or [inner]:
+        while candidate is not None and not isinstance(candidate, torch.optim.Optimizer):
+            candidate = getattr(candidate, "optimizer", None)
+        if candidate is not None:
+            found.append(candidate)
+    return found
+
+
+def move_optimizer_state(optimizer: Any, device: torch.device | str) -> int:
+    """Move every optimizer-state tensor (Adam moments, fp32 master copies held as state) to ``device``
+    and drop the gradients; returns the bytes moved.
+
+    Used around generation (``actor.optimizer_offload``): the KV cache gets the memory the optimizer holds
+    between updates. Moving to the device the state is already on costs nothing (the CPU path).
+    """
+    moved = 0
+    for opt in _torch_optimizers(optimizer):
+        for state in opt.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.device != torch.device(device):
+                    state[key] = value.to(device, non_blocking=True)
+                    moved += value.numel() * value.element_size()
+    for chunk in optimizer.chunks:
+        for p in chunk.parameters():
+            p.grad = None
+    return moved

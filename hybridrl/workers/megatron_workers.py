@@ -22,7 +22,7 @@ from hybridrl.algos.kl import kl_penalty
 from hybridrl.algos.losses import entropy_bonus, ppo_clip_loss, value_loss
 from hybridrl.config import RunConfig
 from hybridrl.mcore import compute, roles
-from hybridrl.mcore.optimizer import OptimConfig, build_optimizer
+from hybridrl.mcore.optimizer import OptimConfig, build_optimizer, move_optimizer_state
 from hybridrl.mcore.parallel_state import data_parallel_info, rollout_replica_info
 from hybridrl.protocol import DataProto
 from hybridrl.workers.dispatch import Dispatch, register
@@ -111,8 +111,23 @@ class ActorRolloutWorker(_TrainedRole):
 
     @register(Dispatch.DP_COMPUTE, mesh="rollout")
     def generate_sequences(self, prompts: DataProto, **sampling: Any) -> DataProto:
-        """Responses for this replica's prompts: ``n`` samples per prompt, adjacent (interleaved)."""
-        return self.rollout.generate(prompts, **sampling)
+        """Responses for this replica's prompts: ``n`` samples per prompt, adjacent (interleaved).
+
+        With ``actor.optimizer_offload`` the optimizer state goes to host memory (and gradients are
+        dropped) while vLLM generates, and comes back before the next update. A ``seed`` in ``sampling``
+        is the whole batch's: this replica offsets it past the earlier replicas' prompts.
+        """
+        if sampling.get("seed") is not None:
+            n = sampling.get("n", self.cfg.rollout.n)
+            sampling = {**sampling, "seed": sampling["seed"] + self.rollout_dp_rank * len(prompts) * n}
+        offload = self.cfg.actor.optimizer_offload
+        if offload:
+            moved = move_optimizer_state(self.optimizer, "cpu")
+        out = self.rollout.generate(prompts, **sampling)
+        if offload:
+            device = next(iter(self.model.parameters())).device
+            out.meta_info["optimizer_offload_bytes"] = moved + move_optimizer_state(self.optimizer, device)
+        return out
 
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, data: DataProto) -> DataProto:

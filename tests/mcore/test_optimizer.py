@@ -419,3 +419,36 @@ def test_distributed_optimizer_needs_cuda():
             build_optimizer([], OptimConfig(backend="megatron"))
     with pytest.raises(ValueError, match="optimizer backend"):
         build_optimizer([], OptimConfig(backend="deepspeed"))
+
+
+def _offload_body(rank, world):
+    import torch
+
+    from hybridrl.mcore.optimizer import OptimConfig, build_optimizer, move_optimizer_state
+    from tests.mcore.shards import build_chunks, init_layout
+
+    init_layout(tp=2)
+    from hybridrl.mcore.gpt import GPTShape
+
+    shape = GPTShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                     vocab_size=128)  # fmt: skip
+    chunks = build_chunks(shape)
+    opt = build_optimizer(chunks, OptimConfig(lr=1e-3, clip_grad=0.0))
+    for p in opt.params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    tensors = [v for st in opt.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    nbytes = sum(v.numel() * v.element_size() for v in tensors if v.device.type != "meta")
+    moved = move_optimizer_state(opt, "meta")  # a device the state is not on: every tensor moves
+    on_meta = all(v.device.type == "meta" for st in opt.optimizer.state.values() for v in st.values()
+                  if torch.is_tensor(v) and v.dim() > 0)  # fmt: skip
+    grads_dropped = all(p.grad is None for p in opt.params)
+    return {"moved": moved, "expected": nbytes, "on_meta": on_meta, "grads_dropped": grads_dropped}
+
+
+def test_optimizer_state_offload_moves_every_tensor():
+    from tests.multirank import run_ranks
+
+    for r in run_ranks(_offload_body, 2, timeout=300):
+        assert r["on_meta"] and r["grads_dropped"]
+        assert r["moved"] == r["expected"] > 0
