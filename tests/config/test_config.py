@@ -321,12 +321,12 @@ CASES = [
     (TINY, ["actor.optim.min_lr=1"], "actor.optim.min_lr (1.0) must be <= actor.optim.lr (0.0001)"),
     (TINY, ["rollout.top_p=0"], "rollout.top_p (0.0) must be in (0.0, 1.0]"),
     (TINY, ["rollout.top_k=0"], "rollout.top_k (0) must be -1 (off) or positive"),
-    (TINY, ["rollout.response_length=100"], "rollout.response_length (100) must equal data.max_response_length (32); "
+    (TINY, ["rollout.response_length=100"], "rollout.response_length (100) must equal data.max_response_length (8); "
      "set only data.max_response_length"),
     # sources
     (TINY, ["model.architecture.hidden_size=null"],
      "model.architecture.hidden_size is null and model.path is null; set model.path or the architecture to build"),
-    (TINY, ["data.train_files=[]"], "data.train_files is empty; set data.train_files=[/path/to/train.parquet]"),
+    (P7, ["data.train_files=[]"], "data.train_files is empty; set data.train_files=[/path/to/train.parquet]"),
     (TINY, ["reward.model.enable=true"],
      "reward.model.path is null but reward.model.enable is true; set reward.model.path"),
     (TINY, ["reward.scorer=gsm8k", "reward.custom.path=my_reward.py"], "reward.scorer ('gsm8k') and reward.custom.path "
@@ -340,8 +340,8 @@ CASES = [
      "model.architecture.num_key_value_heads (1) must be divisible by actor.megatron.tp_size (2)"),
     (TINY, ["actor.megatron.tp_size=1", "actor.megatron.pp_size=2", "model.architecture.num_hidden_layers=3"],
      "model.architecture.num_hidden_layers (3) must be divisible by actor.megatron.pp_size (2) * vpp_size (1) = 2"),
-    (TINY, ["model.architecture.max_position_embeddings=64"],
-     "model.architecture.max_position_embeddings (64) must be >= rollout.max_model_len (96)"),
+    (TINY, ["model.architecture.max_position_embeddings=16"],
+     "model.architecture.max_position_embeddings (16) must be >= rollout.max_model_len (32)"),
 ]  # fmt: skip
 
 

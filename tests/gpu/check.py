@@ -302,11 +302,143 @@ def section_train(report: Report, device: torch.device, dry: bool) -> dict:
     return result
 
 
+# ---- section 3: the reshard kernel -------------------------------------------------------------------------
+def _random_plan(g: torch.Generator, src_numel: int, dst_numel: int) -> torch.Tensor:
+    """Disjoint destination blocks in random order: odd lengths, small gaps, rows both tiny and > 64 KiB."""
+    rows, pos = [], 0
+    while True:
+        big = torch.randint(0, 40, (1,), generator=g).item() == 0  # > 64 KiB in bf16 and fp32: the host splits it
+        n = (
+            int(torch.randint(33_000, 70_000, (1,), generator=g))
+            if big
+            else int(torch.randint(1, 300, (1,), generator=g))
+        )
+        d = pos + int(torch.randint(0, 9, (1,), generator=g))
+        if d + n > dst_numel:
+            break
+        rows.append((int(torch.randint(0, src_numel - n + 1, (1,), generator=g)), d, n))
+        pos = d + n
+    plan = torch.tensor(rows, dtype=torch.int64).view(-1, 3)
+    return plan[torch.randperm(len(plan), generator=g)]
+
+
+def _ensure_ninja() -> str | None:
+    """torch's JIT build runs ``ninja``; a pip-installed ninja (run.sh's ``--target`` dir) is not on PATH."""
+    import shutil
+
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return None
+        pkg = os.path.dirname(ninja.__file__)
+        for d in (
+            getattr(ninja, "BIN_DIR", ""),
+            os.path.join(os.path.dirname(pkg), "bin"),
+            os.path.join(pkg, "data", "bin"),
+        ):
+            if d and os.access(os.path.join(d, "ninja"), os.X_OK):
+                os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
+                break
+    return shutil.which("ninja")
+
+
+def section_reshard(report: Report, device: torch.device, dry: bool) -> dict:
+    import statistics
+
+    from bench.reshard_kernel import build_plan, layer_shapes
+    from hybridrl.ops import _native, block_copy, block_copy_reference
+
+    result: dict = {"ninja": _ensure_ninja()}
+    t0 = time.time()
+    ext = _native.load()  # raises (the section fails) if the extension cannot be built
+    result["build_or_load_s"] = time.time() - t0
+    cuda = device.type == "cuda"
+    log(
+        f"  extension {ext.__name__} (with_cuda={ext.with_cuda}) in {result['build_or_load_s']:.1f}s; "
+        f"ninja {result['ninja']}"
+    )
+    if cuda:
+        report.check("reshard.cuda_kernel_built", bool(ext.with_cuda), module=ext.__name__)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        for trial in range(4):
+            shift_s, shift_d = trial % 3, (trial * 5) % 7  # base pointers off 16-byte alignment
+            src_numel, dst_numel = 300_001 + 2 * trial, 250_003 + 4 * trial
+            src = torch.randn(src_numel + shift_s, generator=g).to(dtype).to(device)[shift_s:]
+            init = torch.randn(dst_numel + shift_d, generator=g).to(dtype).to(device)[shift_d:]
+            plan = _random_plan(g, src_numel, dst_numel)
+            got, want = init.clone(), init.clone()
+            block_copy(src, got, plan)
+            block_copy_reference(src, want, plan)
+            sync()
+            same = torch.equal(got, want)
+            report.check(
+                f"reshard.equal_reference.{str(dtype).removeprefix('torch.')}.{trial}",
+                same,
+                rows=len(plan),
+                elements=int(plan[:, 2].sum()),
+                shifts=[shift_s, shift_d],
+            )
+    src = torch.arange(10, dtype=torch.float32, device=device)
+    empty = block_copy(src, torch.zeros(4, device=device), torch.zeros(0, 3, dtype=torch.int64))
+    report.check("reshard.empty_plan", bool((empty == 0).all()))
+
+    repeat = 3 if dry else 10
+    bench = {}
+    for dtype, layers in ((torch.bfloat16, 13), (torch.float32, 7)):
+        shapes = layer_shapes(256 if dry else 2048)
+        plan, _, numel = build_plan(shapes, 2 if dry else layers, tp=2)
+        src = torch.randn(numel, dtype=torch.float32, device=device).to(dtype)
+        dst = torch.empty_like(src)
+        gb = src.numel() * src.element_size() / 1e9
+        cases = {"copy": lambda s=src, d=dst: d.copy_(s), "kernel": lambda s=src, d=dst, p=plan: block_copy(s, d, p)}
+        times: dict[str, list[float]] = {k: [] for k in cases}
+        for round_ in range(repeat + 1):  # round 0 warms up; the cases alternate so drift hits both alike
+            for name, fn in cases.items():
+                sync()
+                t = time.perf_counter()
+                fn()
+                sync()
+                if round_:
+                    times[name].append(time.perf_counter() - t)
+        dst.zero_()
+        block_copy(src, dst, plan)
+        ref = block_copy_reference(src, torch.zeros_like(src), plan)
+        sync()
+        name = str(dtype).removeprefix("torch.")
+        copy_s, kern_s = statistics.median(times["copy"]), statistics.median(times["kernel"])
+        bench[name] = {
+            "gb": gb,
+            "rows": len(plan),
+            "copy_s": copy_s,
+            "kernel_s": kern_s,
+            "copy_gbps": gb / copy_s,
+            "kernel_gbps": gb / kern_s,
+            "kernel_vs_copy": copy_s / kern_s,
+        }
+        report.check(f"reshard.llama_plan_equal_reference.{name}", torch.equal(dst, ref), rows=len(plan), gb=gb)
+        log(
+            f"  {name} {gb:.2f} GB in {len(plan)} blocks: copy_ {gb / copy_s:8.1f} GB/s, block_copy "
+            f"{gb / kern_s:8.1f} GB/s = {copy_s / kern_s:.2f}x copy_ (median of {repeat})"
+        )
+        del src, dst, ref, cases
+        if cuda:
+            torch.cuda.empty_cache()
+    result["bandwidth"] = bench
+    return result
+
+
 # ---- driver --------------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-dry-run", action="store_true", help="gloo/CPU, tiny training shape (no GPU needed)")
-    ap.add_argument("--sections", default="parity,train", help="comma-separated subset of parity,train")
+    ap.add_argument("--sections", default="parity,train,reshard", help="comma-separated subset of parity,train,reshard")
     ap.add_argument("--archs", default="llama,qwen2,mistral,qwen3", help="tiny HF archs for the parity section")
     args = ap.parse_args()
     dry = args.cpu_dry_run
@@ -366,6 +498,17 @@ def main() -> int:
         except Exception as e:
             log(traceback.format_exc())
             report.sections["train"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.time() - t0}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "reshard" in wanted:
+        log("== section 3: reshard kernel" + (" (dry run: C++ kernel, small plan)" if dry else " (CUDA)"))
+        t0 = time.time()
+        try:
+            result = section_reshard(report, device, dry)
+            report.sections["reshard"] = {"ok": True, "seconds": time.time() - t0, **result}
+        except Exception as e:
+            log(traceback.format_exc())
+            report.sections["reshard"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.time() - t0}
     return _finish(report, t_start)
 
 
@@ -384,6 +527,11 @@ def _finish(report: Report, t_start: float) -> int:
         log(
             f"  train: {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f}%"
             + (f", peak {t['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in t else "")
+        )
+    for name, b in report.sections.get("reshard", {}).get("bandwidth", {}).items():
+        log(
+            f"  reshard {name}: block_copy {b['kernel_gbps']:.1f} GB/s vs copy_ {b['copy_gbps']:.1f} GB/s "
+            f"= {b['kernel_vs_copy']:.2f}x"
         )
     log(f"  RESULT: {'PASS' if ok else 'FAIL'} in {time.time() - t_start:.0f}s")
     out = os.environ.get("OUT")
