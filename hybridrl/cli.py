@@ -2,11 +2,14 @@
 
     hybridrl train CONFIG [key=value ...]          (under torchrun / srun: one process per device)
     hybridrl validate-config CONFIG [key=value ...] [--world-size N]
+    hybridrl export CHECKPOINT OUT [--role actor] [--tp 1] [--pp 1]   (under torchrun, any number of processes)
     hybridrl version
 
 ``validate-config`` loads a config exactly as a run would (packaged name or path, overrides, every
 cross-field check), prints the resolved YAML and, per role, the parallel layout: which ranks are
-tensor/pipeline/data-parallel peers. ``export`` arrives with checkpoints.
+tensor/pipeline/data-parallel peers. ``export`` writes a checkpoint's actor (or critic) as an HF folder:
+
+    torchrun --nproc-per-node N -m hybridrl export ckpts/global_step_100 hf_out [--tp N]
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ USAGE = """hybridrl <command> [args]
 commands:
   train CONFIG [key=value ...]             run PPO/GRPO (launch with torchrun --nproc-per-node N -m hybridrl train)
   validate-config CONFIG [key=value ...]   check a config, print it resolved and its parallel layouts
+  export CHECKPOINT OUT [--role R] [--tp N]  write a global_step_N checkpoint's model as an HF folder
+                                           (launch with torchrun --nproc-per-node N -m hybridrl export)
   version                                   print the version
 """
 
@@ -59,7 +64,8 @@ def cmd_validate_config(argv: list[str]) -> int:
     parser.add_argument("config", help="packaged config name (e.g. ppo_llama2_7b.yaml) or path")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.megatron.tp_size=4")
     parser.add_argument("--world-size", type=int, default=None, help="default: trainer.nnodes * n_gpus_per_node")
-    parser.add_argument("--quiet", action="store_true", help="print only the layouts")
+    parser.add_argument("--quiet", action="store_true", help="print only the layouts and the memory estimate")
+    parser.add_argument("--device-gib", type=float, default=141.0, help="device memory for the estimate (H200: 141)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides, world_size=args.world_size)
@@ -71,6 +77,23 @@ def cmd_validate_config(argv: list[str]) -> int:
         print(to_yaml(cfg))
     print(f"# world size {world} = {cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node} process(es)")
     print(layout_report(cfg, world))
+    from hybridrl.config.memory import report
+
+    print(report(cfg, device_gib=args.device_gib))
+    return 0
+
+
+def cmd_export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hybridrl export", description="Write a checkpoint's model as an HF folder.")
+    parser.add_argument("checkpoint", help="a global_step_N folder written by hybridrl train")
+    parser.add_argument("out", help="the HF folder to write (config.json + safetensors)")
+    parser.add_argument("--role", default="actor", choices=("actor", "critic"))
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of this launch (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of this launch (default 1)")
+    args = parser.parse_args(argv)
+    from hybridrl.trainer.main import export
+
+    export(args.checkpoint, args.out, role=args.role, tp=args.tp, pp=args.pp)
     return 0
 
 
@@ -85,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "validate-config":
         return cmd_validate_config(rest)
+    if command == "export":
+        return cmd_export(rest)
     if command == "train":
         if not rest or rest[0].startswith("-"):
             print("usage: hybridrl train CONFIG [key=value ...]", file=sys.stderr)

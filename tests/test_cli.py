@@ -38,3 +38,20 @@ def test_python_dash_m_entry():
     assert result.returncode == 0 and result.stdout.strip() == hybridrl.__version__
     result = subprocess.run([sys.executable, "-m", "hybridrl", "frobnicate"], capture_output=True, text=True)
     assert result.returncode == 2 and "unknown command 'frobnicate'" in result.stderr
+
+
+def test_memory_estimate(capsys):
+    from hybridrl.config import load_config
+    from hybridrl.config.memory import architecture, estimate, per_rank_params
+
+    cfg = load_config("ppo_llama2_7b.yaml")
+    arch = architecture(cfg)
+    layers, embed = arch.params()
+    assert round((layers + embed) / 1e9, 2) == 6.74  # Llama-2-7B's published parameter count
+    n = per_rank_params(arch, 2, 1)
+    est = estimate(cfg)
+    assert abs(est["actor weights"] - n * 2 / 2**30) < 1e-9  # bf16
+    assert abs(est["actor optimizer"] - n * 12 / cfg.actor.megatron.dp_size / 2**30) < 1e-9  # distributed optimizer
+    assert main(["validate-config", "ppo_llama3_70b_multinode.yaml", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "model 70.55B params" in out and "critic" in out
