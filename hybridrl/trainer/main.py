@@ -58,3 +58,21 @@ def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
         print(f"[hybridrl] {layout.describe()}; {train_ds.summary()}", flush=True)
     trainer = RLTrainer(cfg, model_path, tokenizer, train_ds, val_ds, reward)
     return trainer.fit()
+
+
+def export(checkpoint: str, out: str, role: str = "actor", tp: int = 1, pp: int = 1) -> None:
+    """Write ``role`` of the trainer checkpoint folder ``checkpoint`` (``global_step_N``) as an HF folder ``out``.
+
+    Collective, in an already launched process: any ``tp`` x ``pp`` whose product divides the world size
+    (the model is rebuilt from the checkpoint's own config.json; no run config is needed).
+    """
+    penv = init_distributed()
+    init_model_parallel(ParallelLayout.from_world(penv.world_size, tp=tp, pp=pp), seed=0)
+    from hybridrl.mcore.checkpoint import build_from_checkpoint
+
+    role_dir = os.path.join(checkpoint, role)
+    if not os.path.isdir(os.path.join(role_dir, "model")):
+        raise FileNotFoundError(f"{role_dir}/model not found; pass a global_step_N folder holding the {role}")
+    build_from_checkpoint(role_dir, role).export(out)
+    if penv.rank == 0:
+        print(f"[hybridrl] exported {role} of {checkpoint} to {out}", flush=True)

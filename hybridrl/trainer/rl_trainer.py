@@ -23,6 +23,7 @@ from hybridrl.algos.kl import apply_kl_penalty, make_kl_controller
 from hybridrl.config import RunConfig
 from hybridrl.data.loader import PromptLoader
 from hybridrl.protocol import DataProto
+from hybridrl.trainer.checkpoint import CheckpointManager, crash_for_test
 from hybridrl.trainer.tracking import StageTimer, Tracker
 from hybridrl.workers import ClassWithInitArgs, ResourcePool, WorkerGroup
 from hybridrl.workers.megatron_workers import ActorRolloutWorker, CriticWorker, ReferenceWorker
@@ -67,9 +68,14 @@ class RLTrainer:
         self.tracker = Tracker(cfg.trainer.loggers, log_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
                                total_steps=cfg.trainer.total_steps, rank=rank)  # fmt: skip
         self.step = 0
+        self.ckpt = CheckpointManager(cfg.trainer)
+        self.ckpt.maybe_resume(self)
 
     # ---- stages ------------------------------------------------------------------------------------------
     def _rollout(self, prompts: DataProto, **sampling: Any) -> tuple[DataProto, dict[str, float]]:
+        # per-step sampling seeds (not the engine's running RNG): a resumed run samples what an uninterrupted one did
+        n = sampling.get("n", self.cfg.rollout.n)
+        sampling.setdefault("seed", self.cfg.rollout.seed + self.step * len(prompts) * n)
         switch = self.actor.worker.sync_rollout_weights()
         gen = self.actor.generate_sequences(prompts, **sampling)
         return gen, switch
@@ -127,6 +133,7 @@ class RLTrainer:
         if self.critic is not None:
             with timer("update_critic"):
                 metrics.update(self.critic.update_critic(batch).meta_info["metrics"])
+        crash_for_test(self.step)  # a no-op unless HYBRIDRL_TEST_KILL_AT_STEP is set
         with timer("update_actor"):
             metrics.update(self.actor.update_actor(batch).meta_info["metrics"])
         metrics.update(reward_m)
@@ -193,5 +200,6 @@ class RLTrainer:
                 metrics.update(self.validate())
             self.tracker.log(metrics, step=self.step)
             history.append(metrics)
+            self.ckpt.maybe_save(self)
         self.tracker.close()
         return history

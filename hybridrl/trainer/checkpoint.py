@@ -1,0 +1,161 @@
+"""Trainer checkpoints: when to save, the folder's layout, atomic completion, keep-last-K and resume.
+
+    <default_local_dir>/global_step_N/
+        actor/  critic/       model, optimizer, LR position, HF config (hybridrl.mcore.checkpoint)
+        rng_rank{r}.pt        Python / NumPy / torch / Megatron-tracker RNG states of rank r
+        trainer.pt            step, data-loader position, KL controller, worker versions, tracker state
+        meta.json             written last: step, layout (its presence marks a complete checkpoint)
+
+A save goes to ``global_step_N.tmp/`` and is renamed to ``global_step_N/`` by rank 0 only after every rank
+has finished writing (barrier), so a crash mid-save leaves a ``.tmp`` folder that resume ignores and the
+last good checkpoint untouched. The reference policy is not saved (it is frozen: rebuilt from the model
+path). The folder must be visible to every rank (one node, or a shared file system).
+
+Resume (``trainer.resume_mode``): ``auto`` takes the newest complete ``global_step_N`` in
+``default_local_dir`` (none: start fresh), ``path`` takes ``resume_from_path``, ``disable`` never resumes.
+Under the same layout the run continues bit-exactly; under another one the weights load exactly and the
+optimizer moments restart (see :mod:`hybridrl.mcore.checkpoint`).
+
+Test hook: ``HYBRIDRL_TEST_KILL_AT_STEP=N`` makes rank 1 SIGKILL itself in the middle of step N
+(:func:`crash_for_test`), for the exact-resume test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.config.schema import TrainerConfig
+from hybridrl.mcore import checkpoint as mckpt
+
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+RESUME_MODES = ("auto", "disable", "path")
+
+
+def crash_for_test(step: int) -> None:
+    """Test hook: rank 1 kills itself with SIGKILL when ``HYBRIDRL_TEST_KILL_AT_STEP`` equals ``step``."""
+    at = os.environ.get("HYBRIDRL_TEST_KILL_AT_STEP")
+    if at is not None and int(at) == step and dist.get_rank() == min(1, dist.get_world_size() - 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def complete_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, folder) of the complete checkpoints under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        if m and os.path.isfile(os.path.join(root, name, "meta.json")):
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+class CheckpointManager:
+    """Saves and restores an :class:`~hybridrl.trainer.rl_trainer.RLTrainer`'s state (see the module docs)."""
+
+    def __init__(self, cfg: TrainerConfig) -> None:
+        if cfg.resume_mode not in RESUME_MODES:
+            raise ValueError(f"trainer.resume_mode ({cfg.resume_mode!r}) must be one of {RESUME_MODES}")
+        if cfg.resume_mode == "path" and not cfg.resume_from_path:
+            raise ValueError("trainer.resume_mode is 'path' but trainer.resume_from_path is null; set it")
+        self.cfg = cfg
+        self.root = cfg.default_local_dir
+        self.resumed_from: str | None = None
+
+    # ---- save ----------------------------------------------------------------------------------------------
+    def maybe_save(self, trainer: Any) -> str | None:
+        """Save after step ``trainer.step`` when it is a multiple of ``save_freq`` or the last step."""
+        freq, step = self.cfg.save_freq, trainer.step
+        if freq <= 0 or not (step % freq == 0 or step == self.cfg.total_steps):
+            return None
+        return self.save(trainer)
+
+    def save(self, trainer: Any) -> str:
+        """Write ``global_step_<step>`` atomically (collective); returns its folder."""
+        rank = dist.get_rank()
+        final = os.path.join(self.root, f"global_step_{trainer.step}")
+        tmp = final + ".tmp"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        for name, group in self._roles(trainer):
+            mckpt.save_role(group.worker.model, group.worker.optimizer, os.path.join(tmp, name))
+        torch.save(mckpt.rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+        dist.barrier()  # every rank's files are written
+        if rank == 0:
+            torch.save(self._trainer_state(trainer), os.path.join(tmp, "trainer.pt"))
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump({"step": trainer.step, "layout": mckpt.layout_signature()}, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            self._prune()
+        dist.barrier()
+        return final
+
+    def _prune(self) -> None:
+        keep = self.cfg.max_ckpt_to_keep
+        if keep is None or keep <= 0:
+            return
+        for _, folder in complete_checkpoints(self.root)[:-keep]:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    @staticmethod
+    def _roles(trainer: Any) -> list[tuple[str, Any]]:
+        return [(n, g) for n, g in (("actor", trainer.actor), ("critic", trainer.critic)) if g is not None]
+
+    def _trainer_state(self, trainer: Any) -> dict[str, Any]:
+        tracker = trainer.tracker.state_dict() if hasattr(trainer.tracker, "state_dict") else None
+        return {
+            "step": trainer.step,
+            "loader": trainer.loader.state_dict(),
+            "kl_ctrl": dict(vars(trainer.kl_ctrl)),
+            "versions": {name: group.worker.version for name, group in self._roles(trainer)},
+            "tracker": tracker,
+        }
+
+    # ---- resume --------------------------------------------------------------------------------------------
+    def resume_path(self) -> str | None:
+        """The checkpoint ``resume_mode`` selects (None: start fresh)."""
+        if self.cfg.resume_mode == "disable":
+            return None
+        if self.cfg.resume_mode == "path":
+            path = self.cfg.resume_from_path
+            if not os.path.isfile(os.path.join(path, "meta.json")):
+                raise FileNotFoundError(f"trainer.resume_from_path ({path!r}) is not a complete checkpoint folder")
+            return path
+        found = complete_checkpoints(self.root)
+        return found[-1][1] if found else None
+
+    def maybe_resume(self, trainer: Any) -> bool:
+        """Restore ``trainer`` from the selected checkpoint, if any (collective); True when it resumed."""
+        path = self.resume_path()
+        if path is None:
+            return False
+        for name, group in self._roles(trainer):
+            mckpt.load_role(group.worker.model, group.worker.optimizer, os.path.join(path, name))
+        state = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
+        trainer.step = int(state["step"])
+        trainer.loader.load_state_dict(state["loader"])
+        vars(trainer.kl_ctrl).update(state["kl_ctrl"])
+        for name, group in self._roles(trainer):
+            group.worker.version = state["versions"].get(name, trainer.step)
+        if state.get("tracker") is not None and hasattr(trainer.tracker, "load_state_dict"):
+            trainer.tracker.load_state_dict(state["tracker"])
+        rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
+        with open(os.path.join(path, "meta.json")) as f:
+            same_layout = json.load(f)["layout"] == mckpt.layout_signature()
+        if same_layout and os.path.isfile(rng_file):
+            mckpt.set_rng_state(torch.load(rng_file, weights_only=False))
+        self.resumed_from = path
+        if dist.get_rank() == 0:
+            print(f"[hybridrl] resumed from {path} (step {trainer.step})", flush=True)
+        return True
