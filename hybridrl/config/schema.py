@@ -222,6 +222,11 @@ class TrainerConfig:
     """Metric sinks: "console", "jsonl", "tensorboard", "wandb"."""
     seed: int = 42
     """Global seed (model init, data order and sampling unless set there)."""
+    max_bad_steps: int = 3
+    """Consecutive steps whose update was skipped for a NaN/Inf loss or grad norm before the run stops
+    (after saving a checkpoint)."""
+    collective_timeout_s: float = 600.0
+    """Seconds a collective waits for its peers before failing: a dead rank becomes an error, not a hang."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hybridrl.config import RunConfig, load_config
-from hybridrl.distributed import ParallelLayout, init_distributed, init_model_parallel
+from hybridrl.distributed import ParallelLayout, detect_env, init_distributed, init_model_parallel
 
 
 def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
@@ -39,8 +39,9 @@ def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
 
 def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
     """Run ``config`` with ``overrides`` in this (already launched) process; returns the metric history."""
-    penv = init_distributed()
-    cfg = load_config(config, overrides, world_size=penv.world_size)
+    penv = detect_env()
+    cfg = load_config(config, overrides, world_size=penv.world_size)  # every check before any collective
+    init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     m = cfg.actor.megatron
     layout = ParallelLayout.from_world(penv.world_size, tp=m.tp_size, pp=m.pp_size, cp=m.cp_size, vpp=m.vpp_size)
     init_model_parallel(layout, seed=cfg.trainer.seed)

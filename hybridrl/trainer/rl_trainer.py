@@ -68,6 +68,8 @@ class RLTrainer:
         self.tracker = Tracker(cfg.trainer.loggers, log_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
                                total_steps=cfg.trainer.total_steps, rank=rank)  # fmt: skip
         self.step = 0
+        self.bad_steps = 0
+        self.rank = rank
         self.ckpt = CheckpointManager(cfg.trainer)
         self.ckpt.maybe_resume(self)
 
@@ -201,5 +203,24 @@ class RLTrainer:
             self.tracker.log(metrics, step=self.step)
             history.append(metrics)
             self.ckpt.maybe_save(self)
+            self._check_bad_steps(metrics)
         self.tracker.close()
         return history
+
+    def _check_bad_steps(self, metrics: dict[str, float]) -> None:
+        """Warn on a step whose update was skipped (NaN/Inf); stop after ``trainer.max_bad_steps`` in a row."""
+        skipped = metrics.get("actor/skipped", 0.0) > 0 or metrics.get("critic/skipped", 0.0) > 0
+        self.bad_steps = self.bad_steps + 1 if skipped else 0
+        if not skipped:
+            return
+        limit = self.cfg.trainer.max_bad_steps
+        if self.rank == 0:
+            print(f"[hybridrl] warning: step {self.step} skipped its update (NaN/Inf loss or grad norm); "
+                  f"{self.bad_steps}/{limit} in a row", flush=True)  # fmt: skip
+        if self.bad_steps >= limit:
+            path = self.ckpt.save(self)
+            self.tracker.close()
+            raise RuntimeError(
+                f"trainer.max_bad_steps ({limit}) consecutive steps had NaN/Inf losses or grad norms; stopped at "
+                f"step {self.step} with a checkpoint in {path}; lower actor.optim.lr or check the data and rewards"
+            )

@@ -13,6 +13,7 @@ data-parallel ranks and gathers the results (see :mod:`hybridrl.workers.dispatch
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -27,6 +28,7 @@ from hybridrl.mcore.parallel_state import data_parallel_info, rollout_replica_in
 from hybridrl.protocol import DataProto
 from hybridrl.workers.dispatch import Dispatch, register
 
+_TEST_NAN_LOSS = os.environ.get("HYBRIDRL_TEST_NAN_LOSS") == "1"
 COMPUTE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
 
@@ -158,6 +160,8 @@ class ActorRolloutWorker(_TrainedRole):
             )  # fmt: skip
             ent, em = entropy_bonus(outputs["entropy"], mask, per_token=True)
             loss = pg - a.entropy_coeff * ent
+            if _TEST_NAN_LOSS:  # test hook: a poisoned loss must be skipped, counted and finally stop the run
+                loss = loss * float("nan")
             metrics = {**m, **em}
             if a.use_kl_loss:
                 kl = kl_penalty(outputs["log_probs"], mb["ref_log_probs"], a.kl_loss_type) * mask

@@ -1,0 +1,52 @@
+"""Failure handling under a real torchrun launch on 2 CPU ranks.
+
+- NaN/Inf: every actor loss is poisoned (test hook HYBRIDRL_TEST_NAN_LOSS=1): each update is skipped with
+  a warning and the weights stay as they were; after trainer.max_bad_steps in a row the run saves a
+  checkpoint and stops with a one-line error.
+- A rank dies (SIGKILL in the middle of a step): the launch ends (no hang) with a non-zero exit that names
+  the dead rank; the subprocess timeout bounds the wait.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.multirank
+
+
+def _launch(out: Path, env_extra: dict[str, str], *overrides: str) -> subprocess.CompletedProcess:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "hybridrl", "train", "tiny_cpu.yaml"]
+    cmd += ["trainer.n_gpus_per_node=2", "trainer.test_freq=-1", "trainer.loggers=[jsonl]"]
+    cmd += [f"trainer.default_local_dir={out}", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+
+
+def test_nan_steps_are_skipped_then_stop_with_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    result = _launch(out, {"HYBRIDRL_TEST_NAN_LOSS": "1"}, "trainer.total_steps=5", "trainer.max_bad_steps=2",
+                     "trainer.save_freq=-1")  # fmt: skip
+    log = result.stdout + result.stderr
+    assert result.returncode != 0, log[-3000:]
+    assert "trainer.max_bad_steps (2) consecutive steps had NaN/Inf losses or grad norms; stopped at step 2" in log
+    assert "step 1 skipped its update (NaN/Inf loss or grad norm); 1/2 in a row" in log
+    assert (out / "global_step_2" / "meta.json").exists()  # the checkpoint written on the way out
+    steps = [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["actor/skipped"] == 1.0 for s in steps)
+    assert steps[0]["actor/param_norm"] == steps[1]["actor/param_norm"]  # no poisoned update was applied
+
+
+def test_dead_rank_ends_the_launch(tmp_path):
+    result = _launch(tmp_path / "run", {"HYBRIDRL_TEST_KILL_AT_STEP": "1"}, "trainer.total_steps=3")
+    log = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "Signal 9 (SIGKILL) received by PID" in log or "exitcode  : -9" in log, log[-3000:]
