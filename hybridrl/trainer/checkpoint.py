@@ -130,7 +130,10 @@ class CheckpointManager:
         if self.cfg.resume_mode == "path":
             path = self.cfg.resume_from_path
             if not os.path.isfile(os.path.join(path, "meta.json")):
-                raise FileNotFoundError(f"trainer.resume_from_path ({path!r}) is not a complete checkpoint folder")
+                raise FileNotFoundError(
+                    f"trainer.resume_from_path ({path!r}) is not a complete checkpoint folder (no meta.json); "
+                    f"point it at a global_step_N folder, or set trainer.resume_mode=auto"
+                )
             return path
         found = complete_checkpoints(self.root)
         return found[-1][1] if found else None

@@ -71,7 +71,8 @@ class RLTrainer:
         self.bad_steps = 0
         self.rank = rank
         self.ckpt = CheckpointManager(cfg.trainer)
-        self.ckpt.maybe_resume(self)
+        if not self.ckpt.maybe_resume(self):
+            self.tracker.start_fresh()
 
     # ---- stages ------------------------------------------------------------------------------------------
     def _rollout(self, prompts: DataProto, **sampling: Any) -> tuple[DataProto, dict[str, float]]:

@@ -122,13 +122,19 @@ class Tracker:
         if self.total_steps:
             done = min(step, self.total_steps) / self.total_steps
             elapsed = time.perf_counter() - self._start
-            eta = elapsed / max(done, 1e-9) - elapsed
+            eta = elapsed / done - elapsed if done else float("nan")
             bar = "#" * int(20 * done)
             parts = [f"[{bar:<20s}] {step}/{self.total_steps} eta {eta:5.0f}s"]
         parts += [
             f"{k.split('/')[-1] if k.count('/') == 1 else k}={scalars[k]:.4g}" for k in CONSOLE_KEYS if k in scalars
         ]
         return "  ".join(parts)
+
+    def start_fresh(self) -> None:
+        """Empty the JSONL file (a new run into an old folder; a resumed run keeps appending)."""
+        if self._jsonl is not None:
+            self._jsonl.seek(0)
+            self._jsonl.truncate()
 
     def close(self) -> None:
         if self._jsonl is not None:
