@@ -7,9 +7,11 @@ Per bucket (see :class:`~hybridrl.hybrid_engine.planner.Bucket`), two collective
 2. ``all_gather`` over the training TP group (skipped at TP 1): every rank holds
    ``[tp rank 0's bucket | tp rank 1's | ...]``, the gathered buffer the plan's block offsets refer to.
 
-Broadcasting before gathering moves one bucket over the pipeline links instead of TP of them. With
-``slots=2`` the all_gather of bucket k+1 runs (async) while the caller copies out of bucket k; buffers are
-allocated once at the largest bucket and reused.
+Broadcasting before gathering moves one bucket over the pipeline links instead of TP of them. The gather is
+in place: each rank packs its shards straight into its own slot of the gathered buffer, so the transport's
+memory is ONE gathered buffer (``tp x`` the largest bucket) per slot and nothing else. With ``slots=2`` the
+all_gather of bucket k+1 runs (async) while the caller copies out of bucket k; buffers are allocated once
+at the largest bucket and reused.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class BucketMover:
         params: this rank's Megatron shards by name (only its own stage's are read).
         stage: this rank's pipeline stage.
         tp_size: training TP size (the gathered buffer holds ``tp_size`` buckets).
+        tp_rank: this rank's training TP rank (its slot in the gathered buffer).
         tp_group / pp_group: the training process groups.
         pp_ranks: global rank of each stage in this rank's pipeline group.
         dtype / device: of the buckets (packing casts the shards to ``dtype``).
@@ -59,6 +62,7 @@ class BucketMover:
         params: dict[str, torch.Tensor],
         stage: int,
         tp_size: int,
+        tp_rank: int,
         tp_group: Any,
         pp_group: Any,
         pp_ranks: list[int],
@@ -69,26 +73,22 @@ class BucketMover:
     ) -> None:
         self.buckets, self.params, self.stage = buckets, params, stage
         self.tp_size, self.tp_group, self.pp_group, self.pp_ranks = tp_size, tp_group, pp_group, pp_ranks
+        self.tp_rank = tp_rank
         self.on_collective = on_collective or (lambda _: None)
         cap = max((b.numel for b in buckets), default=0)
-        self.local = [torch.empty(cap, dtype=dtype, device=device) for _ in range(slots)]
-        self.gathered = (
-            [torch.empty(cap * tp_size, dtype=dtype, device=device) for _ in range(slots)]
-            if tp_size > 1
-            else self.local
-        )
+        self.gathered = [torch.empty(cap * tp_size, dtype=dtype, device=device) for _ in range(slots)]
 
     @property
     def buffer_bytes(self) -> int:
         """Bytes of all bucket buffers (the transport's extra memory)."""
-        bufs = self.local + (self.gathered if self.tp_size > 1 else [])
-        return sum(b.numel() * b.element_size() for b in bufs)
+        return sum(b.numel() * b.element_size() for b in self.gathered)
 
     def start(self, k: int) -> _Pending:
         """Pack (owning stage), broadcast over PP, and launch the TP all_gather of bucket ``k``."""
         b = self.buckets[k]
-        slot = k % len(self.local)
-        local = self.local[slot][: b.numel]
+        slot = k % len(self.gathered)
+        gathered = self.gathered[slot][: b.numel * self.tp_size]
+        local = gathered[self.tp_rank * b.numel : (self.tp_rank + 1) * b.numel]  # in place: this rank's slot
         if b.stage == self.stage:
             for name, offset in zip(b.names, b.offsets, strict=True):
                 param = self.params[name]
@@ -98,7 +98,6 @@ class BucketMover:
             self.on_collective(0 if b.stage == self.stage else local.numel() * local.element_size())
         if self.tp_size == 1:
             return _Pending(local, None)
-        gathered = self.gathered[slot][: b.numel * self.tp_size]
-        work = _all_gather(gathered, local, self.tp_group, async_op=len(self.local) > 1)
+        work = _all_gather(gathered, local, self.tp_group, async_op=len(self.gathered) > 1)
         self.on_collective((self.tp_size - 1) * local.numel() * local.element_size())
         return _Pending(gathered, work)

@@ -151,6 +151,7 @@ class HybridEngine:
             self.src.params,
             self.src.pp_rank,
             self.src.layout.tp,
+            self.src.tp_rank,
             self.src.tp_group,
             self.src.pp_group,
             self.src.pp_ranks,
