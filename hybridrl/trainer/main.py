@@ -57,6 +57,8 @@ def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
     reward.check_data_sources(train_ds.data_sources)
     if penv.rank == 0:
         print(f"[hybridrl] {layout.describe()}; {train_ds.summary()}", flush=True)
+    if cfg.trainer.total_steps is None:  # the config's "None = total_epochs * steps per epoch"
+        cfg.trainer.total_steps = cfg.trainer.total_epochs * (len(train_ds) // cfg.data.train_batch_size)
     trainer = RLTrainer(cfg, model_path, tokenizer, train_ds, val_ds, reward)
     return trainer.fit()
 
