@@ -55,3 +55,14 @@ def test_memory_estimate(capsys):
     assert main(["validate-config", "ppo_llama3_70b_multinode.yaml", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "model 70.55B params" in out and "critic" in out
+
+
+def test_total_steps_from_epochs():
+    from hybridrl.config import load_config
+    from hybridrl.trainer.main import resolve_total_steps
+
+    cfg = load_config("ppo_llama2_7b.yaml")  # total_epochs 15, total_steps null
+    assert cfg.trainer.total_steps is None
+    assert resolve_total_steps(cfg, 10 * cfg.data.train_batch_size + 3) == 15 * 10
+    cfg = load_config("tiny_cpu.yaml")  # an explicit total_steps wins
+    assert resolve_total_steps(cfg, 10_000) == cfg.trainer.total_steps

@@ -37,6 +37,19 @@ def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
     return cfg.model.path, tokenizer, list(cfg.data.train_files), list(cfg.data.val_files)
 
 
+def resolve_total_steps(cfg: RunConfig, num_prompts: int) -> int:
+    """``trainer.total_steps``; None in the config = ``total_epochs`` x full batches per epoch (set in place)."""
+    if cfg.trainer.total_steps is None:
+        per_epoch = num_prompts // cfg.data.train_batch_size
+        if per_epoch < 1:
+            raise ValueError(
+                f"data.train_batch_size ({cfg.data.train_batch_size}) is larger than the dataset ({num_prompts} "
+                f"prompts); lower it or add data"
+            )
+        cfg.trainer.total_steps = cfg.trainer.total_epochs * per_epoch
+    return cfg.trainer.total_steps
+
+
 def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
     """Run ``config`` with ``overrides`` in this (already launched) process; returns the metric history."""
     penv = detect_env()
@@ -57,8 +70,7 @@ def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
     reward.check_data_sources(train_ds.data_sources)
     if penv.rank == 0:
         print(f"[hybridrl] {layout.describe()}; {train_ds.summary()}", flush=True)
-    if cfg.trainer.total_steps is None:  # the config's "None = total_epochs * steps per epoch"
-        cfg.trainer.total_steps = cfg.trainer.total_epochs * (len(train_ds) // cfg.data.train_batch_size)
+    resolve_total_steps(cfg, len(train_ds))
     trainer = RLTrainer(cfg, model_path, tokenizer, train_ds, val_ds, reward)
     return trainer.fit()
 
