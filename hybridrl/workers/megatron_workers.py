@@ -94,8 +94,13 @@ class ActorRolloutWorker(_TrainedRole):
         self.optimizer = build_optimizer(self.model.chunks, optim_config(cfg.actor.optim, cfg.trainer.total_steps))
         self._setup_dp()
         self.rollout_dp_size, self.rollout_dp_rank, self.rollout_dp_group = rollout_replica_info(cfg.rollout.tp_size)
-        self.hybrid = HybridEngine.from_role(self.model, rollout_tp=cfg.rollout.tp_size)
-        self.rollout = VLLMRolloutEngine.from_config(cfg.rollout, self.model.hf_config)
+        # The push into vLLM (reload_weights / load_weights) takes whole HF-layout tensors and lets each
+        # vLLM rank cut its own rows, so the switch produces the rollout-TP-1 layout (full fused tensors) on
+        # every rank. Writing each rank's vLLM shard in place (the planner's rollout_tp > 1 output) needs a
+        # direct-write push into vLLM's parameters: a GPU path still to build.
+        self.hybrid = HybridEngine.from_role(self.model, rollout_tp=1)
+        extra = {"distributed_executor_backend": "external_launcher"} if cfg.rollout.tp_size > 1 else {}
+        self.rollout = VLLMRolloutEngine.from_config(cfg.rollout, self.model.hf_config, **extra)
         self.weights_version = -1
         self.version = 0
 

@@ -66,3 +66,8 @@ def test_grpo_two_steps(tmp_path):
     )  # fmt: skip
     _check(history, critic=False)
     assert "actor/kl_loss" in history[1]
+
+
+def test_ppo_with_rollout_tp2(tmp_path):
+    """One vLLM engine spanning both ranks (external_launcher, rollout TP 2) fed by the TP-2 actor."""
+    _check(_train(tmp_path, "rollout.tp_size=2"), critic=True)
