@@ -186,8 +186,8 @@ class RLTrainer:
         """Train for ``trainer.total_steps`` steps; validate every ``trainer.test_freq`` (and before/after)."""
         t, history = self.cfg.trainer, []
         if t.test_freq > 0 and self.val_dataset is not None:
-            first = self.validate()
-            self.tracker.log(first, step=0)
+            first = self.validate()  # before training, or on the resumed weights
+            self.tracker.log(first, step=self.step)
             history.append(first)
         batches = iter(self.loader)
         while self.step < t.total_steps:
