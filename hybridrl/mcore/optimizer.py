@@ -111,7 +111,21 @@ def plan_buckets(params: list[torch.nn.Parameter], bucket_numel: int) -> list[li
     return buckets
 
 
-class TorchOptimizer:
+class _Checkpointable:
+    """``state_dict`` / ``load_state_dict`` of a wrapper holding ``self.optimizer`` and ``self.num_steps``."""
+
+    optimizer: Any
+    num_steps: int
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.num_steps = int(state["num_steps"])
+
+
+class TorchOptimizer(_Checkpointable):
     """CPU path: ``torch.optim.AdamW`` + bucketed DP all-reduce (sum) + TP/PP-aware clipping.
 
     Collectives per :meth:`step`: one all-reduce per bucket over DP (none when dp == 1), one over the
@@ -207,15 +221,8 @@ class TorchOptimizer:
         self.num_steps += 1
         return StepResult(grad_norm=norm, lr=lr, skipped=False, num_steps=self.num_steps)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "num_steps": self.num_steps}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.num_steps = int(state["num_steps"])
-
-
-class MegatronOptimizer:
+class MegatronOptimizer(_Checkpointable):
     """GPU path: Megatron DDP + ``get_megatron_optimizer`` (DistributedOptimizer, fp32 master weights).
 
     Wraps the chunks in ``DistributedDataParallel``: use :attr:`chunks` (not the originals) for
@@ -302,13 +309,6 @@ class MegatronOptimizer:
         self.optimizer.step_with_ready_grads()
         self.num_steps += 1
         return StepResult(grad_norm=norm, lr=lr, skipped=False, num_steps=self.num_steps)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "num_steps": self.num_steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.num_steps = int(state["num_steps"])
 
 
 TrainOptimizer = TorchOptimizer | MegatronOptimizer
