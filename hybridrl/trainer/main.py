@@ -66,8 +66,9 @@ def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
     model_path, tokenizer, train_files, val_files = _data(cfg)
     train_ds = RLHFDataset(train_files, tokenizer, cfg.data)
     val_ds = RLHFDataset(val_files, tokenizer, cfg.data) if val_files else None
-    reward = RewardManager.from_config(cfg.reward)
-    reward.check_data_sources(train_ds.data_sources)
+    reward = RewardManager.from_config(cfg.reward)  # None: only the reward model scores
+    if reward is not None:
+        reward.check_data_sources(train_ds.data_sources)
     if penv.rank == 0:
         print(f"[hybridrl] {layout.describe()}; {train_ds.summary()}", flush=True)
     resolve_total_steps(cfg, len(train_ds))

@@ -23,10 +23,11 @@ from hybridrl.algos.kl import apply_kl_penalty, make_kl_controller
 from hybridrl.config import RunConfig
 from hybridrl.data.loader import PromptLoader
 from hybridrl.protocol import DataProto
+from hybridrl.rewards import last_token_rewards
 from hybridrl.trainer.checkpoint import CheckpointManager, crash_for_test
 from hybridrl.trainer.tracking import StageTimer, Tracker
 from hybridrl.workers import ClassWithInitArgs, ResourcePool, WorkerGroup
-from hybridrl.workers.megatron_workers import ActorRolloutWorker, CriticWorker, ReferenceWorker
+from hybridrl.workers.megatron_workers import ActorRolloutWorker, CriticWorker, ReferenceWorker, RewardModelWorker
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -54,6 +55,9 @@ class RLTrainer:
         )
         self.actor = WorkerGroup(pool, ClassWithInitArgs(ActorRolloutWorker, cfg, model_path))
         self.ref = WorkerGroup(pool, ClassWithInitArgs(ReferenceWorker, cfg, model_path)) if cfg.ref.enable else None
+        self.rm = None
+        if cfg.reward.model.enable:
+            self.rm = WorkerGroup(pool, ClassWithInitArgs(RewardModelWorker, cfg, cfg.reward.model.path))
         critic_path = cfg.critic.model_path or model_path
         self.critic = (
             WorkerGroup(pool, ClassWithInitArgs(CriticWorker, cfg, critic_path)) if cfg.critic.enable else None
@@ -84,10 +88,19 @@ class RLTrainer:
         return gen, switch
 
     def _score(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        """Token-level scores: rule-based (``reward``) and/or the reward model's, both at the last token."""
         responses, mask = batch.batch["responses"], batch.batch["response_mask"]
-        texts = [self.tokenizer.decode(r[m.bool()].tolist()) for r, m in zip(responses, mask, strict=True)]
-        result = self.reward(batch, texts, mask)
-        return result.token_level_scores, {k: float(v) for k, v in result.metrics.items()}
+        scores, metrics = torch.zeros(mask.shape, dtype=torch.float32), {}
+        if self.reward is not None:
+            texts = [self.tokenizer.decode(r[m.bool()].tolist()) for r, m in zip(responses, mask, strict=True)]
+            result = self.reward(batch, texts, mask)
+            scores = scores + result.token_level_scores
+            metrics.update({k: float(v) for k, v in result.metrics.items()})
+        if self.rm is not None:
+            rm = self.rm.compute_rm_score(batch).batch["rm_scores"]
+            scores = scores + last_token_rewards(rm, mask)
+            metrics["reward/rm_score_mean"] = float(rm.mean())
+        return scores, metrics
 
     def _advantages(self, batch: DataProto) -> dict[str, float]:
         a, mask = self.cfg.algorithm, batch.batch["response_mask"]

@@ -258,15 +258,33 @@ class RewardModelWorker:
     def __init__(self, cfg: RunConfig, model_path: str) -> None:
         self.cfg = cfg
         self.model = roles.build_reward_model(model_path, dtype=getattr(torch, cfg.model.dtype))
+        if cfg.reward.model.param_offload:
+            self.model.offload()
         self.dp_size, self.dp_rank, self.dp_group = data_parallel_info()
 
     @register(Dispatch.DP_COMPUTE)
     def compute_rm_score(self, data: DataProto) -> DataProto:
-        mbs = self.cfg.actor.ppo_micro_batch_size_per_gpu
-        values = compute.compute_values(self.model.chunks, _tensors(data, COMPUTE_KEYS), mbs)
-        mask = data.batch["response_mask"]
-        last = (mask.cumsum(1) == mask.sum(1, keepdim=True)) & mask.bool()
-        return DataProto.from_dict(tensors={"rm_scores": (values * last).sum(1)})
+        """``rm_scores`` ``(b,)``: the model's scalar at each response's last valid token."""
+        offloaded = self.model.offloaded
+        if offloaded:
+            self.model.onload()
+        mbs = self.cfg.reward.model.micro_batch_size_per_gpu
+        # compute_values reads response token t's value where t is predicted (p + t - 1); the reward model's
+        # score belongs to the last token itself, so the batch gets one more (padding) response column and
+        # the score is read at index n (the response length): the output at the last valid token.
+        b = data.batch
+        pad = torch.zeros(len(data), 1, dtype=b["input_ids"].dtype)
+        lengths = b["response_mask"].sum(1).long()
+        batch = {
+            "input_ids": torch.cat([b["input_ids"], pad], 1),
+            "attention_mask": torch.cat([b["attention_mask"], torch.zeros_like(pad)], 1),
+            "responses": torch.cat([b["responses"], pad], 1),
+            "response_mask": torch.cat([b["response_mask"], torch.zeros_like(pad)], 1),
+        }
+        values = compute.compute_values(self.model.chunks, batch, mbs)
+        if offloaded:
+            self.model.offload()
+        return DataProto.from_dict(tensors={"rm_scores": values[torch.arange(len(data)), lengths]})
 
 
 def _param_norm(params) -> float:

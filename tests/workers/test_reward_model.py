@@ -1,0 +1,48 @@
+"""RewardModelWorker on 2 gloo ranks (TP 2) vs HF transformers' sequence classifier on the same checkpoint.
+
+The score of each response is the classifier's scalar at the response's last valid token; the batch has
+left-padded prompts and right-padded responses of different lengths, so a wrong "last token" shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.mcore import hf_tiny
+from tests.mcore.test_logprobs_hf import PROMPT, RESPONSE_LENS, padded_batch
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+def _body(rank: int, world: int, path: str, batch: dict) -> list[float]:
+    from hybridrl.config import load_config
+    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.protocol import DataProto
+    from hybridrl.workers import ClassWithInitArgs, ResourcePool, WorkerGroup
+    from hybridrl.workers.megatron_workers import RewardModelWorker
+
+    overrides = ["reward.model.enable=true", f"reward.model.path={path}", "reward.model.micro_batch_size_per_gpu=1",
+                 "reward.model.param_offload=true"]  # fmt: skip
+    cfg = load_config("tiny_cpu.yaml", overrides, world_size=world)
+    init_model_parallel(ParallelLayout.from_world(world, tp=2))
+    rm = WorkerGroup(ResourcePool(process_on_nodes=[world]), ClassWithInitArgs(RewardModelWorker, cfg, path))
+    return rm.compute_rm_score(DataProto.from_dict(tensors=batch)).batch["rm_scores"].tolist()
+
+
+def test_rm_scores_equal_hf(tmp_path):
+    import transformers
+
+    path = hf_tiny.make_checkpoint("llama", str(tmp_path / "rm"), seed=4, score=True)
+    batch = padded_batch()
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             position_ids=batch["position_ids"]).last_hidden_state  # fmt: skip
+        per_token = model.score(hidden)[..., 0]
+    last = torch.tensor([PROMPT + n - 1 for n in RESPONSE_LENS])
+    expected = per_token[torch.arange(len(last)), last]
+    assert expected.std() > 1e-3  # distinct scores: picking the wrong token would show
+    for got in run_ranks(_body, 2, path, batch, timeout=300):
+        assert torch.allclose(torch.tensor(got), expected, atol=1e-4), (got, expected.tolist())
