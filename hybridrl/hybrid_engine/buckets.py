@@ -90,9 +90,8 @@ class BucketMover:
         gathered = self.gathered[slot][: b.numel * self.tp_size]
         local = gathered[self.tp_rank * b.numel : (self.tp_rank + 1) * b.numel]  # in place: this rank's slot
         if b.stage == self.stage:
-            for name, offset in zip(b.names, b.offsets, strict=True):
-                param = self.params[name]
-                local[offset : offset + param.numel()].copy_(param.reshape(-1))
+            for name, offset, (start, stop) in zip(b.names, b.offsets, b.ranges, strict=True):
+                local[offset : offset + stop - start].copy_(self.params[name].reshape(-1)[start:stop])
         if len(self.pp_ranks) > 1:
             dist.broadcast(local, src=self.pp_ranks[b.stage], group=self.pp_group)
             self.on_collective(0 if b.stage == self.stage else local.numel() * local.element_size())

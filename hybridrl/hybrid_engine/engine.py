@@ -60,7 +60,9 @@ class HybridEngine:
         shape: the model (as built for training: ``padded_vocab_size`` for the training TP).
         train_layout: the training layout; None = read from the parallel state (a given one must match it).
         rollout_tp: vLLM's tensor-parallel size; rollout TP groups are consecutive global ranks.
-        bucket_bytes: capacity of one bucket (>= the largest shard that moves).
+        bucket_bytes: memory of the transport: all gathered bucket buffers together (both when ``overlap``);
+            the switch's peak extra memory beyond the destination. Must hold the largest shard that moves
+            x training TP x buffers.
         family: HF ``model_type`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``).
         dtype: rollout dtype; None = the parameters'. Another dtype casts while packing and disables sharing.
         pad_vocab: vLLM-padded vocab rows; None = only at ``rollout_tp > 1`` (TP 1 gives HF's ``[vocab, h]``).
@@ -97,6 +99,7 @@ class HybridEngine:
             fused_norms=src.fused_norms,
             pad_vocab=pad_vocab,
             share=dtypes == {self.dtype},
+            slots=2 if overlap else 1,
         )
         self._check_params()
         self.rank_plan = self.plan.for_rank(src.pp_rank, src.tp_rank, self.rank % rollout_tp)

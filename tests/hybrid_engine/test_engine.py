@@ -19,7 +19,9 @@ from tests.multirank import run_ranks
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp) on 4 ranks
 ROLLOUT_TP = (1, 2)
-BUCKET_BYTES = 70_000  # > the largest fp32 shard (embedding 256 x 64 at TP 1): several buckets per stage
+# transport memory (2 gathered buffers x tp local buckets) >= 2 x the largest fp32 shard x tp (embedding 256 x 64
+# at TP 1, 128 x 64 at TP 2): several buckets per stage
+BUCKET_BYTES = 140_000
 
 
 def _counting(counts: dict) -> None:
@@ -118,8 +120,9 @@ def test_one_collective_per_bucket_and_sane_stats(reports, arch, tp, pp, tp_i):
         # every byte of the rollout tensors is copied or shared, except the 6 vocab padding rows of rank 1 at tp 2
         assert r["nbytes"] - s["bytes_copied"] - s["bytes_shared"] in (0, 6 * 64 * 4, 2 * 6 * 64 * 4)
         assert s["bytes_copied"] <= s["dest_bytes"]
-        # in-place gather: one tp-bucket buffer per slot (2 slots with overlap)
-        assert s["seconds"] > 0 and s["peak_extra_bytes"] <= 2 * tp * BUCKET_BYTES
+        # the transport's memory (both gathered buffers of the overlapped switch) stays within bucket_bytes
+        assert s["seconds"] > 0 and s["peak_extra_bytes"] <= BUCKET_BYTES
+        assert (s["peak_extra_bytes"] > 0) == (s["buckets"] > 0)
         if pp == 1 and tp == 1:
             assert s["bytes_moved"] == 0
         if pp == 1 and tp == tp_i:  # every rank holds its own shards: row-parallel, fc1 and norms are views

