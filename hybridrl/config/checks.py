@@ -36,6 +36,7 @@ from hybridrl.config.schema_roles import (
     RECOMPUTE_METHODS,
     ROLLOUT_BACKENDS,
     TRAIN_BACKENDS,
+    WEIGHT_SYNCS,
     MegatronConfig,
 )
 from hybridrl.distributed.layout import LayoutError, ParallelLayout
@@ -118,6 +119,7 @@ def fill_derived(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
 def _choices() -> Iterable[tuple[str, tuple]]:
     yield from (("model.dtype", DTYPES), ("rollout.dtype", DTYPES), ("rollout.backend", ROLLOUT_BACKENDS))
     yield from (("rollout.load_format", LOAD_FORMATS), ("algorithm.adv_estimator", ADV_ESTIMATORS))
+    yield "rollout.weight_sync", WEIGHT_SYNCS
     yield from (("algorithm.kl_penalty", KL_TYPES), ("algorithm.kl_ctrl.type", KL_CTRL_TYPES))
     yield from (("actor.loss_agg_mode", LOSS_AGG_MODES), ("actor.kl_loss_type", KL_TYPES))
     yield from (("data.truncation", TRUNCATIONS), ("trainer.resume_mode", RESUME_MODES))
@@ -151,7 +153,7 @@ _POSITIVE = (
     "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_epochs", "critic.ppo_mini_batch_size",
     "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs", "ref.log_prob_micro_batch_size_per_gpu",
     "rollout.n", "rollout.tp_size", "rollout.val.n", "rollout.response_length", "rollout.max_model_len",
-    "reward.model.micro_batch_size_per_gpu", "resources.max_colocate_count",
+    "reward.model.micro_batch_size_per_gpu", "resources.max_colocate_count", "rollout.sync_bucket_mb",
 )  # fmt: skip
 _POSITIVE_OR_NULL = (
     "trainer.total_steps", "trainer.max_ckpt_to_keep", "data.val_batch_size", "rollout.max_num_seqs",

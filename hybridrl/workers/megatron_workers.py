@@ -93,25 +93,36 @@ class ActorRolloutWorker(_TrainedRole):
         self.model = roles.build_actor(model_path, dtype=dtype)
         self.optimizer = build_optimizer(self.model.chunks, optim_config(cfg.actor.optim, cfg.trainer.total_steps))
         self._setup_dp()
-        self.rollout_dp_size, self.rollout_dp_rank, self.rollout_dp_group = rollout_replica_info(cfg.rollout.tp_size)
-        # The push into vLLM (reload_weights / load_weights) takes whole HF-layout tensors and lets each
-        # vLLM rank cut its own rows, so the switch produces the rollout-TP-1 layout (full fused tensors) on
-        # every rank. Writing each rank's vLLM shard in place (the planner's rollout_tp > 1 output) needs a
-        # direct-write push into vLLM's parameters: a GPU path still to build.
-        self.hybrid = HybridEngine.from_role(self.model, rollout_tp=1)
-        extra = {"distributed_executor_backend": "external_launcher"} if cfg.rollout.tp_size > 1 else {}
-        self.rollout = VLLMRolloutEngine.from_config(cfg.rollout, self.model.hf_config, **extra)
+        r = cfg.rollout
+        self.rollout_dp_size, self.rollout_dp_rank, self.rollout_dp_group = rollout_replica_info(r.tp_size)
+        # "shards": plan the switch for the engine's own TP and write each rank's shard into vLLM's
+        # parameters; "hf": full HF-layout tensors (the rollout-TP-1 layout) through vLLM's loader, which
+        # cuts each rank's rows itself.
+        shards = r.weight_sync == "shards"
+        self.hybrid = HybridEngine.from_role(
+            self.model, rollout_tp=r.tp_size if shards else 1, pad_vocab=shards, bucket_bytes=r.sync_bucket_mb << 20,
+            overlap=r.sync_overlap, dtype=getattr(torch, r.dtype or cfg.model.dtype),
+        )  # fmt: skip
+        extra = {"distributed_executor_backend": "external_launcher"} if r.tp_size > 1 else {}
+        self.rollout = VLLMRolloutEngine.from_config(r, self.model.hf_config, **extra)
         self.weights_version = -1
         self.version = 0
 
     def sync_rollout_weights(self) -> dict[str, float]:
-        """Training -> generation layout (bucketed reshard) and push into vLLM; skipped when unchanged."""
+        """Training -> generation layout (bucketed reshard) and push into vLLM (skipped when vLLM already
+        holds this version); wakes a sleeping engine (weights first, then the KV cache)."""
+        self.rollout.wake_up(tags=["weights"])
         if self.weights_version == self.version:
+            self.rollout.wake_up(tags=["kv_cache"])
             return {}
         start = time.perf_counter()
         tensors = self.hybrid.to_rollout()
-        push = self.rollout.update_weights(tensors.items())
+        if self.cfg.rollout.weight_sync == "shards":
+            push = self.rollout.load_shards(tensors.items(), alias=self.hybrid.rank_plan.shared)
+        else:
+            push = self.rollout.update_weights(tensors.items())
         self.hybrid.release()
+        self.rollout.wake_up(tags=["kv_cache"])
         self.weights_version = self.version
         stats = {f"reshard/{k}": float(v) for k, v in self.hybrid.stats.as_dict().items() if _is_number(v)}
         return {**stats, **{f"rollout/{k}": v for k, v in push.items()}, "timing_s/switch": time.perf_counter() - start}
@@ -131,6 +142,9 @@ class ActorRolloutWorker(_TrainedRole):
         if offload:
             moved = move_optimizer_state(self.optimizer, "cpu")
         out = self.rollout.generate(prompts, **sampling)
+        if self.cfg.rollout.free_cache_engine and self.rollout.sleep_mode:
+            self.rollout.sleep(level=2)  # KV cache and weights freed for training; the next switch pushes all
+            self.weights_version = -1
         if offload:
             device = next(iter(self.model.parameters())).device
             out.meta_info["optimizer_offload_bytes"] = moved + move_optimizer_state(self.optimizer, device)

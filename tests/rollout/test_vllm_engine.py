@@ -150,6 +150,28 @@ def test_new_weights_flow_in_buckets(engine, models):
     assert after != before
 
 
+def test_load_shards_writes_parameters(engine, models):
+    """Kernel-format push at TP 1 (fused tensors, vocab padded to vLLM's 64): equals HF on those weights;
+    a wrong name or shape raises before anything is written."""
+    engine.update_weights((k, torch.randn_like(v)) for k, v in models["a"].state_dict().items())  # scramble first
+    shapes = engine.parameter_shapes()
+    shards = {}
+    for name, t in _fused(models["b"].state_dict()):
+        if name in shapes and tuple(t.shape) != shapes[name]:  # embed_tokens / lm_head: pad the vocab rows
+            t = torch.cat([t, torch.zeros(shapes[name][0] - t.shape[0], *t.shape[1:])])
+        shards[name] = t
+    assert set(shards) == set(shapes)
+    metrics = engine.load_shards(shards.items())
+    assert metrics["bytes_repacked"] > 0 and metrics["bytes_copied"] > 0  # GEMM weights repacked, norms copied
+    _check_parity(engine, models["b"])
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    with pytest.raises(ValueError, match=r"qkv_proj.weight has shape \[3, 3\] but this vLLM rank holds"):
+        engine.load_shards([("model.norm.weight", torch.zeros(shapes["model.norm.weight"])), (qkv, torch.zeros(3, 3))])
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj.weight' is not a parameter"):
+        engine.load_shards([("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3))])
+    _check_parity(engine, models["b"])  # the refused pushes changed nothing (not even the valid norm)
+
+
 def test_partial_module_rejected(engine, models):
     state = models["a"].state_dict()
     with pytest.raises(ValueError, match="k_proj"):

