@@ -117,11 +117,16 @@ class ActorRolloutWorker(_TrainedRole):
             return {}
         start = time.perf_counter()
         tensors = self.hybrid.to_rollout()
-        if self.cfg.rollout.weight_sync == "shards":
+        if self.cfg.rollout.weight_sync == "shards" and self.rollout.can_alias:
+            # vLLM's parameters become views of the switch's destination buffer (kept) and of the training
+            # tensors: later switches write straight into them, nothing is copied twice
+            push = self.rollout.load_shards(tensors.items(), alias=tensors.keys())
+        elif self.cfg.rollout.weight_sync == "shards":  # CUDA graphs / sleep mode: copy into vLLM's memory
             push = self.rollout.load_shards(tensors.items(), alias=self.hybrid.rank_plan.shared)
+            self.hybrid.release()
         else:
             push = self.rollout.update_weights(tensors.items())
-        self.hybrid.release()
+            self.hybrid.release()
         self.rollout.wake_up(tags=["kv_cache"])
         self.weights_version = self.version
         stats = {f"reshard/{k}": float(v) for k, v in self.hybrid.stats.as_dict().items() if _is_number(v)}
