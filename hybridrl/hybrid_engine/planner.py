@@ -313,8 +313,8 @@ class ReshardPlan:
         return needed
 
     def _buckets(self) -> list[Bucket]:
-        share = self.layout.tp * self.slots  # local buckets the transport memory holds at once
-        capacity = self.bucket_bytes // (self.element_size * share)
+        held = self.layout.tp * self.slots  # local buckets the transport memory holds at once
+        capacity = self.bucket_bytes // (self.element_size * held)
         if capacity < 1:
             raise PlanError(
                 f"bucket_bytes ({self.bucket_bytes}) cannot hold one element x tp {self.layout.tp} x {self.slots} "
