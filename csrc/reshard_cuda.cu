@@ -1,8 +1,9 @@
-// GPU reshard kernel: every block of a plan copied to its destination in one launch, 16 bytes per access.
+// GPU reshard kernel: every row of a work table copied to its destination in one launch, 16 bytes per access.
 //
-// Plain CUDA (no torch headers): `nvcc -c reshard_cuda.cu` compiles it alone. The host cuts the plan into a work
-// table of at most HYBRIDRL_RESHARD_CHUNK_BYTES per row (hybridrl_block_copy_cuda_chunks), so a huge block is
-// spread over many thread blocks and small blocks cost one row each; the kernel gives each thread block one row
+// Plain CUDA (no torch headers): `nvcc -c reshard_cuda.cu` compiles it alone. Rows are (src_address,
+// dst_address, n_bytes), so one launch may write into many destination tensors. The host cuts the rows into
+// chunks of at most HYBRIDRL_RESHARD_CHUNK_BYTES (hybridrl_block_copy_cuda_chunks), so a huge block is spread
+// over many thread blocks and small blocks cost one chunk each; the kernel gives each thread block one chunk
 // at a time (grid-stride). A row is copied with the widest access its src and dst share an alignment for:
 // uint4 (16 B) when both addresses are equal mod 16, after a scalar head that reaches the 16-byte boundary and
 // before a scalar tail; 8/4/2/1-byte accesses otherwise.
@@ -41,11 +42,10 @@ __device__ void copy_row(const char* __restrict__ s, char* __restrict__ d, int64
 }
 
 __global__ void __launch_bounds__(kThreads)
-    block_copy_kernel(const char* __restrict__ src, char* __restrict__ dst, const int64_t* __restrict__ chunks,
-                      int64_t n_chunks) {
+    block_copy_kernel(const int64_t* __restrict__ chunks, int64_t n_chunks) {
   for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-    const char* s = src + chunks[3 * c];
-    char* d = dst + chunks[3 * c + 1];
+    const char* s = reinterpret_cast<const char*>(static_cast<intptr_t>(chunks[3 * c]));
+    char* d = reinterpret_cast<char*>(static_cast<intptr_t>(chunks[3 * c + 1]));
     const int64_t n = chunks[3 * c + 2];
     const auto skew = reinterpret_cast<uintptr_t>(s) ^ reinterpret_cast<uintptr_t>(d);  // uniform per row
     if (skew % 16 == 0) {
@@ -64,13 +64,12 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-extern "C" int64_t hybridrl_block_copy_cuda_chunks(const int64_t* plan, int64_t n_blocks, int64_t elem_size,
-                                                   int64_t* chunks) {
+extern "C" int64_t hybridrl_block_copy_cuda_chunks(const int64_t* rows, int64_t n_rows, int64_t* chunks) {
   int64_t n = 0;
-  for (int64_t b = 0; b < n_blocks; ++b) {
-    const int64_t src = plan[3 * b] * elem_size;
-    const int64_t dst = plan[3 * b + 1] * elem_size;
-    const int64_t bytes = plan[3 * b + 2] * elem_size;
+  for (int64_t b = 0; b < n_rows; ++b) {
+    const int64_t src = rows[3 * b];
+    const int64_t dst = rows[3 * b + 1];
+    const int64_t bytes = rows[3 * b + 2];
     for (int64_t off = 0; off < bytes; off += HYBRIDRL_RESHARD_CHUNK_BYTES, ++n) {
       if (chunks != nullptr) {
         chunks[3 * n] = src + off;
@@ -82,11 +81,9 @@ extern "C" int64_t hybridrl_block_copy_cuda_chunks(const int64_t* plan, int64_t 
   return n;
 }
 
-extern "C" cudaError_t hybridrl_block_copy_cuda(const void* src, void* dst, const int64_t* chunks_dev,
-                                                int64_t n_chunks, cudaStream_t stream) {
+extern "C" cudaError_t hybridrl_block_copy_cuda(const int64_t* chunks_dev, int64_t n_chunks, cudaStream_t stream) {
   if (n_chunks == 0) return cudaSuccess;
   const auto grid = static_cast<unsigned int>(std::min(n_chunks, kMaxGrid));
-  block_copy_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const char*>(src), static_cast<char*>(dst),
-                                                   chunks_dev, n_chunks);
+  block_copy_kernel<<<grid, kThreads, 0, stream>>>(chunks_dev, n_chunks);
   return cudaGetLastError();
 }

@@ -2,19 +2,23 @@
 
 Owns the execution of a :class:`~hybridrl.hybrid_engine.planner.ReshardPlan` on the live process groups:
 buckets move with one PP broadcast and one TP all_gather each (:mod:`~hybridrl.hybrid_engine.buckets`),
-then ONE ``hybridrl.ops.block_copy`` per bucket writes every needed block straight into a preallocated flat
-destination buffer (views per vLLM tensor). Tensors whose layouts agree are views of the training
-parameters (no copy, no buffer). Collective: every rank of the world calls :meth:`HybridEngine.to_rollout`.
+then ONE kernel call per bucket writes every needed block straight to its destination: a preallocated flat
+buffer (views per vLLM tensor, ``hybridrl.ops.block_copy``), or, given ``into=`` (vLLM's own parameters),
+those tensors themselves (``hybridrl.ops.block_scatter``: no staging buffer at all). Tensors whose layouts
+agree are views of the training parameters (no copy, no buffer). Collective: every rank of the world calls
+:meth:`HybridEngine.to_rollout`.
 
     engine = HybridEngine.from_role(actor, rollout_tp=1, bucket_bytes=64 << 20)
     weights = engine.to_rollout()          # {vLLM name: tensor} of this rank's rollout TP rank
     llm_model.load_weights(weights.items())
+    engine.to_rollout(into=params)         # or: write into {vLLM name: vLLM's parameter} in place
     engine.stats.as_dict()                 # bytes moved / copied / shared, bucket memory, seconds
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,7 +30,7 @@ from hybridrl.hybrid_engine.buckets import BucketMover
 from hybridrl.hybrid_engine.planner import ReshardPlan
 from hybridrl.hybrid_engine.vllm_layout import PlanError
 from hybridrl.mcore.reshard_source import TrainingSource, training_source
-from hybridrl.ops import block_copy
+from hybridrl.ops import block_copy, block_scatter
 
 
 @dataclass
@@ -42,10 +46,12 @@ class SwitchStats:
     """Bytes written into the destination buffer by block_copy."""
     bytes_shared: int = 0
     """Bytes of vLLM tensors handed out as views of training parameters (not copied)."""
+    bytes_direct: int = 0
+    """Bytes written straight into the ``into=`` tensors (vLLM's parameters), shared layouts included."""
     peak_extra_bytes: int = 0
     """Bucket buffers (the transport's memory on top of the training and rollout weights)."""
     dest_bytes: int = 0
-    """The flat destination buffer (this rank's non-shared rollout weights)."""
+    """The flat destination buffer (this rank's non-shared rollout weights that have no ``into=`` tensor)."""
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -104,8 +110,9 @@ class HybridEngine:
         self._check_params()
         self.rank_plan = self.plan.for_rank(src.pp_rank, src.tp_rank, self.rank % rollout_tp)
         self.device = next(iter(src.params.values())).device
-        self.copies = [c.to(self.device) for c in self.rank_plan.copies]
+        self.copies = self.rank_plan.copies  # host tensors: the kernels read plans on the host
         self.buffer: torch.Tensor | None = None
+        self._scatter: _ScatterPlan | None = None
         self.stats = SwitchStats()
 
     @classmethod
@@ -134,16 +141,30 @@ class HybridEngine:
                     f"the model was built with (padded_vocab_size for tp={self.src.layout.tp})"
                 )
 
-    def to_rollout(self) -> dict[str, torch.Tensor]:
+    def to_rollout(self, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Run the switch (collective over the world); returns {vLLM name: tensor} in model order.
 
-        Non-shared tensors are views of one flat buffer that is reused (overwritten) by the next switch;
-        shared ones are views of the training parameters.
+        Without ``into``, non-shared tensors are views of one flat buffer that is reused (overwritten) by the
+        next switch; shared ones are views of the training parameters.
+
+        Args:
+            into: {vLLM name: tensor of this rank's shape, the rollout dtype, contiguous} to write straight
+                into, e.g. vLLM's own parameters where they cannot alias other memory (CUDA graphs, sleep
+                mode): the kernel scatters each bucket into them, shared layouts are copied in, vocab padding
+                rows are zeroed, and only names without a tensor here go through the flat buffer. The
+                returned dict then holds these tensors themselves.
         """
         start = time.perf_counter()
         rp, stats = self.rank_plan, SwitchStats(buckets=len(self.plan.buckets))
+        scatter = None
+        if into:
+            scatter = self._scatter_plan(into)
+            targets = [into[name] for name in scatter.targets]
+        elif self._scatter is not None:  # back to the flat buffer for everything
+            self._scatter, self.buffer = None, None
         if self.buffer is None:
-            self.buffer = torch.zeros(rp.dest_numel, dtype=self.dtype, device=self.device)  # vocab padding stays 0
+            numel = scatter.buffer_numel if scatter is not None else rp.dest_numel
+            self.buffer = torch.zeros(numel, dtype=self.dtype, device=self.device)  # vocab padding stays 0
 
         def count(nbytes: int) -> None:
             stats.collectives += 1
@@ -168,34 +189,142 @@ class HybridEngine:
         for k in range(n):
             following = mover.start(k + 1) if self.overlap and k + 1 < n else None
             gathered = pending.wait()
-            if len(self.copies[k]):
+            if scatter is not None:
+                if len(scatter.copies[k]):
+                    block_scatter(gathered, [self.buffer, *targets], scatter.copies[k])
+            elif len(self.copies[k]):
                 block_copy(gathered, self.buffer, self.copies[k])
             pending = following if self.overlap else (mover.start(k + 1) if k + 1 < n else None)
         stats.peak_extra_bytes = mover.buffer_bytes
         del mover
-        out = self._views()
+        out = self._views(scatter)
         es = self.buffer.element_size()
         stats.bytes_copied = rp.copied_numel * es
-        stats.bytes_shared = sum(out[name].numel() * out[name].element_size() for name in rp.shared)
+        if scatter is not None:
+            with torch.no_grad():
+                for name, (a, b) in scatter.gaps:  # vocab padding rows: vLLM's memory may hold anything
+                    into[name].view(-1)[a:b].zero_()
+                for name in scatter.targets:
+                    if name in rp.shared and out[name].data_ptr() != into[name].data_ptr():
+                        into[name].copy_(out[name])
+                        stats.bytes_copied += into[name].numel() * es
+                    out[name] = into[name]
+            stats.bytes_direct = sum(into[name].numel() * es for name in scatter.targets)
+        stats.bytes_shared = sum(out[name].numel() * es for name in rp.shared if scatter is None or name not in into)
         stats.dest_bytes = self.buffer.numel() * es
         stats.seconds = time.perf_counter() - start
         self.stats = stats
         return out
 
-    def _views(self) -> dict[str, torch.Tensor]:
+    def _views(self, scatter: _ScatterPlan | None) -> dict[str, torch.Tensor]:
         out = {}
+        offsets = scatter.buffer_offsets if scatter is not None else self.rank_plan.offsets
         for d in self.plan.dests[self.rollout_rank]:
             if d.name in self.rank_plan.shared:
                 src, offset = self.rank_plan.shared[d.name]
                 flat = self.src.params[src].reshape(-1)
-            else:
-                flat, offset = self.buffer, self.rank_plan.offsets[d.name]
+            elif d.name in offsets:
+                flat, offset = self.buffer, offsets[d.name]
+            else:  # written into its into= tensor, filled in by to_rollout
+                continue
             out[d.name] = flat[offset : offset + d.numel].view(d.shape)
         return out
+
+    def _scatter_plan(self, into: Mapping[str, torch.Tensor]) -> _ScatterPlan:
+        key = tuple(sorted(into))
+        if self._scatter is None or self._scatter.key != key:
+            dests = {d.name: d for d in self.plan.dests[self.rollout_rank]}
+            for name, t in into.items():
+                d = dests.get(name)
+                if d is None:
+                    raise PlanError(
+                        f"to_rollout(into=...): {name!r} is not a tensor of rollout rank {self.rollout_rank}"
+                    )
+                want = (d.shape, self.dtype, self.device, True)
+                if (tuple(t.shape), t.dtype, t.device, t.is_contiguous()) != want:
+                    raise PlanError(
+                        f"to_rollout(into=...): {name} is {list(t.shape)} {t.dtype} {t.device} (contiguous="
+                        f"{t.is_contiguous()}); the switch writes {list(d.shape)} {self.dtype} {self.device} contiguous"
+                    )
+            self._scatter = _ScatterPlan.build(self.rank_plan, self.plan.dests[self.rollout_rank], key, set(into))
+            self.buffer = None
+        return self._scatter
 
     def release(self) -> None:
         """Free the destination buffer (back to training); the next :meth:`to_rollout` reallocates it."""
         self.buffer = None
+
+
+@dataclass
+class _ScatterPlan:
+    """A rank plan re-aimed at ``into=`` tensors: per bucket ``(n, 4)`` rows (src, dst index, dst offset,
+    length), destination 0 being a smaller flat buffer for the tensors without a target."""
+
+    key: tuple[str, ...]
+    targets: list[str]
+    """Names with an ``into=`` tensor, in model order (destination ``1 + i``)."""
+    buffer_offsets: dict[str, int]
+    buffer_numel: int
+    copies: list[torch.Tensor]
+    gaps: list[tuple[str, tuple[int, int]]]
+    """Element ranges of targets that no block writes (vocab padding rows), zeroed at each switch."""
+
+    @classmethod
+    def build(cls, rp: Any, dests: list[Any], key: tuple[str, ...], wanted: set[str]) -> _ScatterPlan:
+        targets = [d.name for d in dests if d.name in wanted]
+        buffer_offsets, used = {}, 0
+        for d in dests:
+            if d.name in rp.offsets and d.name not in wanted:
+                buffer_offsets[d.name] = used
+                used += d.numel
+        # every non-shared tensor's range in the planner's flat layout -> (destination index, base offset)
+        named = sorted((off, name) for name, off in rp.offsets.items())
+        starts = torch.tensor([off for off, _ in named], dtype=torch.int64)
+        numels = {d.name: d.numel for d in dests}
+        index = {name: i + 1 for i, name in enumerate(targets)}
+        dest_of = torch.tensor([index.get(name, 0) for _, name in named], dtype=torch.int64)
+        base = torch.tensor([off - (buffer_offsets[n] if n not in index else 0) for off, n in named], dtype=torch.int64)
+        copies = []
+        written = torch.zeros(len(targets) + 1, dtype=torch.int64)
+        for blocks in rp.copies:
+            blocks = _split_at(blocks, starts)
+            which = torch.searchsorted(starts, blocks[:, 1].contiguous(), right=True) - 1
+            rows = torch.stack([blocks[:, 0], dest_of[which], blocks[:, 1] - base[which], blocks[:, 2]], dim=1)
+            copies.append(rows)
+            written.index_add_(0, rows[:, 1], rows[:, 3])
+        gaps = []  # blocks are disjoint, so a target is whole iff its blocks add up to it
+        for i, name in enumerate(targets, start=1):
+            if name in rp.offsets and int(written[i]) < numels[name]:
+                ranges = [(o, o + n) for c in copies for _, _, o, n in c[c[:, 1] == i].tolist()]
+                gaps += [(name, gap) for gap in _gaps(ranges, numels[name])]
+        return cls(key, targets, buffer_offsets, used, copies, gaps)
+
+
+def _split_at(blocks: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Cut the ``(n, 3)`` blocks where they cross a tensor start in the flat layout (coalescing may join
+    the end of one tensor to the start of the next)."""
+    if not len(blocks):
+        return blocks
+    begin = blocks[:, 1].contiguous()
+    first = torch.searchsorted(starts, begin, right=True)
+    last = torch.searchsorted(starts, begin + blocks[:, 2] - 1, right=True)
+    if bool((first == last).all()):
+        return blocks
+    rows = []
+    for (s, d, n), a, b in zip(blocks.tolist(), first.tolist(), last.tolist(), strict=True):
+        for cut in [*starts[a:b].tolist(), d + n]:
+            rows.append((s, d, cut - d))
+            s, n, d = s + cut - d, n - (cut - d), cut
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
+
+
+def _gaps(ranges: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for a, b in sorted(ranges):
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    return out + ([(at, numel)] if at < numel else [])
 
 
 def _check_layout(given: ParallelLayout | None, actual: ParallelLayout) -> None:

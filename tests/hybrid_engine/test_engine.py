@@ -82,6 +82,27 @@ def _body(rank: int, world_size: int, paths: dict) -> dict:
                     "nbytes": sum(t.numel() * t.element_size() for t in out.values()),
                     "shared": sorted(engine.rank_plan.shared),
                 }
+                # straight into other tensors (vLLM's parameters on GPU): all of them, then every other one;
+                # NaN-filled so unwritten elements (vocab padding must be zeroed) show
+                fresh = {n: torch.full_like(t, float("nan")) for n, t in want.items()}
+                into_all = engine.to_rollout(into=fresh)
+                all_stats = engine.stats.as_dict()
+                half = {n: fresh[n].fill_(float("nan")) for n in list(want)[::2]}
+                into_half = engine.to_rollout(into=half)
+                half_stats = engine.stats.as_dict()
+                back = engine.to_rollout()  # and back to the flat buffer
+                report[(arch, tp, pp, tp_i)]["into"] = {
+                    "unequal_all": [n for n in want if not torch.equal(into_all[n], want[n])],
+                    "unequal_half": [n for n in want if not torch.equal(into_half[n], want[n])],
+                    "unequal_back": [n for n in want if not torch.equal(back[n], want[n])],
+                    "not_targets": [n for n in half if into_half[n].data_ptr() != fresh[n].data_ptr()],
+                    "all": all_stats,
+                    "half": half_stats,
+                    "half_bytes": sum(t.numel() * t.element_size() for t in half.values()),
+                    "rest_copied_bytes": sum(
+                        want[n].numel() * 4 for n in want if n not in half and n not in engine.rank_plan.shared
+                    ),
+                }
     return report
 
 
@@ -106,6 +127,24 @@ def test_rollout_tensors_are_bit_exact(reports, arch, tp, pp, tp_i):
         assert not r["unequal"], f"rank {rank}: {len(r['unequal'])} tensors differ, e.g. {r['unequal'][:3]}"
         assert not r["unstable"], f"rank {rank}: second switch differs: {r['unstable'][:3]}"
         assert not r["shared_not_views"] and not r["copied_are_views"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("arch,tp,pp,tp_i", CASES)
+def test_switch_straight_into_given_tensors(reports, arch, tp, pp, tp_i):
+    """to_rollout(into=...) (the GPU path into vLLM's own parameters) writes the same bits, with no staging buffer
+    when every tensor has a target; names without one still go through a (smaller) buffer."""
+    for rank, report in enumerate(reports):
+        r = report[(arch, tp, pp, tp_i)]["into"]
+        assert not r["unequal_all"], f"rank {rank}: into= differs from HF's cut: {r['unequal_all'][:3]}"
+        assert not r["unequal_half"], f"rank {rank}: partial into= differs: {r['unequal_half'][:3]}"
+        assert not r["unequal_back"], f"rank {rank}: flat buffer after into= differs: {r['unequal_back'][:3]}"
+        assert not r["not_targets"], "into= must return the given tensors themselves"
+        full, half = r["all"], r["half"]
+        assert full["dest_bytes"] == 0 and full["bytes_shared"] == 0
+        assert full["bytes_direct"] == report[(arch, tp, pp, tp_i)]["nbytes"]
+        assert half["dest_bytes"] == r["rest_copied_bytes"] and half["bytes_direct"] == r["half_bytes"]
+        assert full["peak_extra_bytes"] <= BUCKET_BYTES
 
 
 @pytest.mark.multirank

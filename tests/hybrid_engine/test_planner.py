@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from hybridrl.distributed.layout import ParallelLayout
+from hybridrl.hybrid_engine.engine import _gaps, _ScatterPlan, _split_at
 from hybridrl.hybrid_engine.planner import ReshardPlan
 from hybridrl.hybrid_engine.vllm_layout import PlanError
 from hybridrl.mcore.gpt import GPTShape, padded_vocab_size
-from hybridrl.ops import block_copy_reference
+from hybridrl.ops import block_copy_reference, block_scatter_reference
 from tests.hybrid_engine import layouts
 
 
@@ -38,19 +39,24 @@ def _roles(plan: ReshardPlan) -> list[tuple[int, int, int]]:
     return sorted({(lay.coords(r).pp, lay.coords(r).tp, r % plan.rollout_tp) for r in range(lay.world_size)})
 
 
+def _gathered(plan: ReshardPlan, shards: dict, k: int) -> torch.Tensor:
+    """Bucket ``k`` as the all_gather over the training TP ranks delivers it."""
+    b, tp = plan.buckets[k], plan.layout.tp
+    gathered = torch.zeros(tp * b.numel, dtype=torch.int64)
+    for r in range(tp):
+        for name, off, (start, stop) in zip(b.names, b.offsets, b.ranges, strict=True):
+            shard = shards[name][0 if len(shards[name]) == 1 else r].reshape(-1)
+            gathered[r * b.numel + off : r * b.numel + off + stop - start] = shard[start:stop]
+    return gathered
+
+
 def _simulate(plan: ReshardPlan, shards: dict, role: tuple[int, int, int]) -> tuple[dict, torch.Tensor]:
     """Run the plan for one rank on id-filled shards; returns its tensors and per-element write counts."""
     rp = plan.for_rank(*role)
-    tp = plan.layout.tp
     dest = torch.full((rp.dest_numel,), layouts.VLLM_PAD, dtype=torch.int64)
     writes = torch.zeros(rp.dest_numel + 1, dtype=torch.int64)
-    for k, b in enumerate(plan.buckets):
-        gathered = torch.zeros(tp * b.numel, dtype=torch.int64)
-        for r in range(tp):
-            for name, off, (start, stop) in zip(b.names, b.offsets, b.ranges, strict=True):
-                shard = shards[name][0 if len(shards[name]) == 1 else r].reshape(-1)
-                gathered[r * b.numel + off : r * b.numel + off + stop - start] = shard[start:stop]
-        block_copy_reference(gathered, dest, rp.copies[k])
+    for k in range(len(plan.buckets)):
+        block_copy_reference(_gathered(plan, shards, k), dest, rp.copies[k])
         for _, d, n in rp.copies[k].tolist():
             writes[d] += 1
             writes[d + n] -= 1
@@ -63,6 +69,50 @@ def _simulate(plan: ReshardPlan, shards: dict, role: tuple[int, int, int]) -> tu
             flat, off = dest, rp.offsets[d.name]
         out[d.name] = flat[off : off + d.numel].view(d.shape)
     return out, writes.cumsum(0)[:-1]
+
+
+@pytest.mark.parametrize("bucket_bytes", [140_000, 3_000])
+def test_scatter_plans_equal_the_flat_buffer(bucket_bytes):
+    """The engine's re-aimed plans (into= tensors, e.g. vLLM's parameters) put every element where the flat plan
+    does: all targets, every other one, or none; blocks that coalescing joined across tensors are cut apart."""
+    shape = _shape(2, qkv_bias=True, tie_embeddings=True)
+    hf = layouts.hf_tensors(shape)
+    shards = layouts.megatron_shards(hf, shape, 2, False)
+    layout = ParallelLayout.from_world(4, tp=2, pp=2)
+    joined_total = 0
+    for tp_i in (1, 2, 4):
+        plan = ReshardPlan(shape, layout, tp_i, bucket_bytes=bucket_bytes, element_size=8)
+        for role in _roles(plan):
+            flat, _ = _simulate(plan, shards, role)
+            rp, dests = plan.for_rank(*role), plan.dests[role[2]]
+            joined = sum(int(len(_split_at(c, _starts(rp))) - len(c)) for c in rp.copies)
+            for wanted in (set(rp.offsets), set(list(rp.offsets)[::2]), set()):
+                sp = _ScatterPlan.build(rp, dests, tuple(sorted(wanted)), wanted)
+                targets = [torch.full(flat[n].shape, -7, dtype=torch.int64) for n in sp.targets]
+                buffer = torch.full((sp.buffer_numel,), -7, dtype=torch.int64)
+                for k in range(len(plan.buckets)):
+                    block_scatter_reference(_gathered(plan, shards, k), [buffer, *targets], sp.copies[k])
+                for name, (a, b) in sp.gaps:
+                    assert bool((flat[name].reshape(-1)[a:b] == layouts.VLLM_PAD).all()), "a gap that is not padding"
+                    targets[sp.targets.index(name)].view(-1)[a:b] = layouts.VLLM_PAD
+                for name, t in zip(sp.targets, targets, strict=True):
+                    assert torch.equal(t, flat[name]), f"tp_i={tp_i} {role} {name} (into)"
+                for name, off in sp.buffer_offsets.items():
+                    got = buffer[off : off + flat[name].numel()].view(flat[name].shape)
+                    assert torch.equal(torch.where(got == -7, layouts.VLLM_PAD, got), flat[name]), name
+                assert sp.buffer_numel == sum(flat[n].numel() for n in rp.offsets if n not in wanted)
+            joined_total += joined
+    assert joined_total > 0, "no block crossed a tensor boundary: the cutting was not exercised"
+    assert _split_at(torch.tensor([[0, 5, 10]]), torch.tensor([0, 8, 12])).tolist() == [
+        [0, 5, 3],
+        [3, 8, 4],
+        [7, 12, 3],
+    ]
+    assert _gaps([(4, 6), (0, 2), (6, 7)], 10) == [(2, 4), (7, 10)]
+
+
+def _starts(rp) -> torch.Tensor:
+    return torch.tensor(sorted(rp.offsets.values()), dtype=torch.int64)
 
 
 SMALL = [

@@ -7,6 +7,8 @@ boundary, 10k tiny blocks, one huge block shared by threads, blocks touching bot
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import shutil
 import subprocess
@@ -18,7 +20,7 @@ import torch
 
 import hybridrl.ops as ops
 from hybridrl.ops import _native
-from hybridrl.ops.reshard_ref import block_copy_reference
+from hybridrl.ops.reshard_ref import block_copy_reference, block_scatter_reference
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64]
@@ -126,6 +128,58 @@ def test_cuda_kernel_matches_reference(ext):
         expected = block_copy_reference(src, dst.clone(), plan)
         out = ext.block_copy(src.cuda(), dst.cuda(), plan)  # plan stays on the CPU
         assert torch.equal(out.cpu(), expected), f"CUDA kernel != reference for {dtype}"
+        dsts, splan = random_scatter(src.numel(), [(33,), (96, 1031), (1,), (700, 1001)], dtype, gen)
+        want = [d.clone() for d in dsts]
+        block_scatter_reference(src, want, splan)
+        got = [d.cuda() for d in dsts]
+        ext.block_scatter(src.cuda(), got, splan)
+        assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True)), f"CUDA scatter != ref ({dtype})"
+
+
+def random_scatter(src_numel: int, shapes: list[tuple[int, ...]], dtype, gen: torch.Generator):
+    """Destination tensors of ``shapes`` (pre-filled with noise) and a plan that fills random disjoint pieces of
+    them: every tensor cut at random points into blocks, blocks shuffled, ~1/8 of them left out (kept as is)."""
+    dsts = [random_buffer(math.prod(s), dtype, gen).view(s) for s in shapes]
+    rows = []
+    for i, d in enumerate(dsts):
+        cuts = sorted({0, d.numel(), *torch.randint(0, d.numel() + 1, (8,), generator=gen).tolist()})
+        for a, b in itertools.pairwise(cuts):
+            if int(torch.randint(0, 8, (1,), generator=gen)) != 0:
+                rows.append((int(torch.randint(0, src_numel - (b - a) + 1, (1,), generator=gen)), i, a, b - a))
+    order = torch.randperm(len(rows), generator=gen).tolist()
+    return dsts, torch.tensor([rows[k] for k in order], dtype=torch.int64).reshape(-1, 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scatter_into_many_tensors_matches_reference(ext, threads, dtype):
+    gen = torch.Generator().manual_seed(5)
+    src = random_buffer(400_003, dtype, gen)
+    # vLLM-like targets: a norm, odd-sized matrices, a big one split between threads, a 1-element tensor
+    shapes = [(33,), (7, 13), (96, 1031), (1,), (3, 5, 7), (389, 1000)]
+    for _ in range(3):
+        dsts, plan = random_scatter(src.numel(), shapes, dtype, gen)
+        expected = [d.clone() for d in dsts]
+        block_scatter_reference(src, expected, plan)
+        ext.block_scatter(src, dsts, plan)
+        for i, (got, want) in enumerate(zip(dsts, expected, strict=True)):
+            assert torch.equal(got, want), f"native scatter != reference in destination {i} ({dtype})"
+
+
+def test_scatter_equals_copy_into_views_of_one_buffer(ext):
+    """block_scatter into views of one buffer == block_copy into the buffer with the offsets added."""
+    gen = torch.Generator().manual_seed(6)
+    src = random_buffer(10_007, torch.float32, gen)
+    plan, dst_numel = random_plan(torch.randint(1, 300, (40,), generator=gen).tolist(), src.numel(), gen)
+    whole = random_buffer(dst_numel, torch.float32, gen)
+    split = whole.numel() // 3
+    views = [whole[:split], whole[split:]]
+    index = (plan[:, 1] >= split).long()
+    scatter = torch.stack([plan[:, 0], index, plan[:, 1] - index * split, plan[:, 2]], dim=1)
+    crossing = (index == 0) & (plan[:, 1] + plan[:, 2] > split)  # a block across the cut is split in two
+    plan, scatter = plan[~crossing], scatter[~crossing]
+    expected = ext.block_copy(src, whole.clone(), plan)
+    ext.block_scatter(src, views, scatter)
+    assert torch.equal(whole, expected)
 
 
 BAD = {
@@ -139,6 +193,29 @@ BAD = {
     "2-D src": (torch.zeros(2, 5), torch.zeros(10), torch.tensor([[0, 0, 1]])),
     "strided dst": (torch.zeros(10), torch.zeros(20)[::2], torch.tensor([[0, 0, 1]])),
 }
+
+
+BAD_SCATTER = {
+    "destination index past the list": ([torch.zeros(4)], torch.tensor([[0, 1, 0, 1]])),
+    "past a destination's end": ([torch.zeros(4), torch.zeros(2, 3)], torch.tensor([[0, 1, 5, 2]])),
+    "past src end": ([torch.zeros(20)], torch.tensor([[9, 0, 0, 2]])),
+    "negative index": ([torch.zeros(4)], torch.tensor([[0, -1, 0, 1]])),
+    "plan (n, 3)": ([torch.zeros(4)], torch.tensor([[0, 0, 1]])),
+    "dtype of a destination": ([torch.zeros(4), torch.zeros(4, dtype=torch.float64)], torch.tensor([[0, 0, 0, 1]])),
+    "strided destination": ([torch.zeros(4, 4).t()], torch.tensor([[0, 0, 0, 1]])),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SCATTER))
+def test_invalid_scatter_plans_raise(ext, case):
+    dsts, plan = BAD_SCATTER[case]
+    src = torch.zeros(10)
+    before = [d.clone() for d in dsts]
+    with pytest.raises(ValueError, match="block_scatter"):
+        ops.block_scatter(src, dsts, plan)
+    with pytest.raises(RuntimeError, match="block_copy"):
+        ext.block_scatter(src, dsts, plan)
+    assert all(torch.equal(a, b) for a, b in zip(dsts, before, strict=True)), "a refused plan wrote something"
 
 
 @pytest.mark.parametrize("case", list(BAD))
