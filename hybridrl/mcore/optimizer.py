@@ -342,20 +342,51 @@ def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 
 def move_optimizer_state(optimizer: Any, device: torch.device | str) -> int:
-    """Move every optimizer-state tensor (Adam moments, fp32 master copies held as state) to ``device``
-    and drop the gradients; returns the bytes moved.
+    """Move the optimizer's own tensors to ``device``: Adam moments and fp32 master weights (the inner
+    optimizers' parameters that are not the model's parameters or views of them); to the CPU also drop the
+    gradients, back on the model's device restore them (zeroed). Returns the bytes moved or freed.
 
     Used around generation (``actor.optimizer_offload``): the KV cache gets the memory the optimizer holds
-    between updates. Moving to the device the state is already on costs nothing (the CPU path).
+    between updates. Gradients: plain ``.grad`` is dropped; Megatron DDP's contiguous grad buffers are freed
+    and reallocated at the same tensors (``offload_grad_buffers`` / ``restore_grad_buffers``, which keep every
+    ``main_grad`` view valid). Moving to the device the state is already on costs nothing (the CPU path).
     """
+    target = torch.device(device)
+    chunks = list(getattr(optimizer, "chunks", []))
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    model = {p.untyped_storage().data_ptr() for p in params}
+    home = params[0].device if params else target
+    away = target.type != home.type or (None not in (target.index, home.index) and target.index != home.index)
+    offload = target.type == "cpu" or away  # away from the model's device
+    ddp = [c for c in chunks if hasattr(c, "offload_grad_buffers")]
     moved = 0
+    if offload:
+        for chunk in ddp:
+            moved += sum(_grad_bytes(b) for b in chunk.buffers + chunk.expert_parallel_buffers)
+            chunk.offload_grad_buffers(synchronize=True, empty_cache=False)
     for opt in _torch_optimizers(optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:  # fp32 masters of 16-bit models; a model parameter (or a view) stays
+                if p.device != target and p.untyped_storage().data_ptr() not in model:
+                    p.data = p.data.to(target, non_blocking=True)
+                    moved += p.numel() * p.element_size()
         for state in opt.state.values():
             for key, value in state.items():
-                if torch.is_tensor(value) and value.device != torch.device(device):
-                    state[key] = value.to(device, non_blocking=True)
+                if torch.is_tensor(value) and value.device != target:
+                    state[key] = value.to(target, non_blocking=True)
                     moved += value.numel() * value.element_size()
-    for chunk in optimizer.chunks:
-        for p in chunk.parameters():
+    if offload:
+        for p in params:
             p.grad = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    else:
+        for chunk in ddp:
+            chunk.restore_grad_buffers(synchronize=False)
+            moved += sum(_grad_bytes(b) for b in chunk.buffers + chunk.expert_parallel_buffers)
     return moved
+
+
+def _grad_bytes(buffer: Any) -> int:
+    grad = getattr(buffer, "grad_data", None)
+    return 0 if grad is None else grad.untyped_storage().nbytes()

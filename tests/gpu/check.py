@@ -295,6 +295,30 @@ def section_train(report: Report, device: torch.device, dry: bool) -> dict:
     report.check("train.finite_loss_and_grad_norm", finite, last_loss=losses[-1], last_grad_norm=norms[-1])
     if not dry:
         report.check("train.megatron_optimizer", type(optim).__name__ == "MegatronOptimizer", got=type(optim).__name__)
+    # actor.optimizer_offload around generation: masters, moments and DDP grad buffers leave the device and come
+    # back; the next step must train on as before
+    from hybridrl.mcore.optimizer import move_optimizer_state
+
+    sync()
+    held = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    t0 = time.perf_counter()
+    moved = move_optimizer_state(optim, "cpu")
+    sync()
+    freed = held - torch.cuda.memory_allocated() if device.type == "cuda" else moved
+    back = move_optimizer_state(optim, device)
+    sync()
+    offload_s = time.perf_counter() - t0
+    optim.zero_grad()
+    out = compute.forward_backward(optim.chunks, batch, loss_fn, mbs)
+    res = optim.step()
+    ok = (moved > 0 or dry) and back >= moved * 0.99 and abs(freed - moved) <= 0.1 * moved
+    ok = ok and math.isfinite(out.loss) and not res.skipped and abs(out.loss - losses[-1]) <= 0.1 * abs(losses[-1])
+    report.check(
+        "train.optimizer_offload", ok, moved_gib=moved / 2**30, freed_gib=freed / 2**30, back_gib=back / 2**30,
+        seconds=offload_s, loss_after=out.loss, loss_before=losses[-1],
+    )  # fmt: skip
+    result["optimizer_offload"] = {"moved_bytes": moved, "freed_bytes": freed, "seconds": offload_s}
+    log(f"  optimizer offload: {moved / 2**30:.2f} GiB moved, {freed / 2**30:.2f} GiB freed, out+back {offload_s:.2f}s")
     log(
         f"  tokens/s {tok_s:,.0f}  step {mean_t:.3f}s  MFU {100 * mfu:.1f}% (vs 989 TFLOP/s bf16 dense)"
         + (f"  peak mem {result['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in result else "")

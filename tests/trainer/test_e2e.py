@@ -69,8 +69,10 @@ def test_grpo_two_steps(tmp_path):
     history = _train(
         tmp_path, "algorithm.adv_estimator=grpo", "rollout.n=2", "critic.enable=false", "actor.use_kl_loss=true",
         "algorithm.use_kl_in_reward=false", "actor.ppo_mini_batch_size=8", "rollout.weight_sync=hf",
+        "actor.optimizer_offload=true", "ref.param_offload=true",
     )  # fmt: skip
-    _check(history, critic=False)  # the "hf" push (vLLM's own loader) also carries the update
+    _check(history, critic=False)  # the "hf" push (vLLM's own loader) also carries the update, and the offload
+    # flags' paths (optimizer state out and back around generation, reference weights parked) keep training right
     assert "rollout/push_s" in history[-1] and "rollout/bytes_aliased" not in history[-1]
     assert "actor/kl_loss" in history[1]
 
