@@ -5,10 +5,12 @@ heads, then its k and v head) and its [gate | up] rows, the ranks' shards laid e
 vLLM's TP1 layout: per layer [q | k | v] and [gate | up]. Every source byte lands once in the destination, so the
 plain ``dst.copy_(src)`` of the same bytes is the physical limit all rows are compared with, in the same run:
 - native kernel: ``block_copy(src, dst, plan)`` via the csrc/ extension (the issue's target: >= 0.8x the copy);
+- native scatter: ``block_scatter`` of the same rows into one tensor per vLLM parameter (how the switch writes
+  straight into vLLM's weights);
 - PyTorch reference: one ``copy_`` per block (``block_copy_reference``);
 - naive regroup: gather-full-then-split as in weight-sync code: per layer ``torch.cat`` the ranks' shards, split
   the views into q/k/v (gate/up), ``torch.cat`` them into new fused tensors, then ``copy_`` those into ``dst``.
-All three results are checked equal. GB/s counts the bytes moved once (payload), not read + write.
+All results are checked equal. GB/s counts the bytes moved once (payload), not read + write.
 
     OMP_NUM_THREADS=2 python bench/reshard.py [--layers 8] [--hidden 2048] [--threads 2] [--repeat 5]
 """
@@ -55,6 +57,12 @@ def build_plan(shapes: dict[str, int], layers: int, tp: int) -> tuple[torch.Tens
                 rows.append((src + (2 * r + half) * shard, dst + half * ffn * h + r * shard, shard))
         src, dst = src + gate_up, dst + gate_up
     return torch.tensor(rows, dtype=torch.int64), layout, src
+
+
+def _tensor_starts(off: dict, shapes: dict[str, int]) -> tuple[int, int]:
+    """Where a layer's qkv_proj and gate_up_proj begin in the destination."""
+    h, d, groups = shapes["hidden"], shapes["head_dim"], shapes["kv_heads"]
+    return off["dst"], off["dst"] + groups * (shapes["heads"] // groups * d + 2 * d) * h
 
 
 def naive_regroup(src: torch.Tensor, dst: torch.Tensor, shapes: dict[str, int], layout: list[dict], tp: int) -> None:
@@ -106,9 +114,17 @@ def main() -> None:
         f"{args.threads} threads, median of {args.repeat}"
     )
 
+    # the same rows aimed at one tensor per vLLM parameter (per layer qkv_proj, gate_up_proj), as the switch writes
+    # straight into vLLM's parameters: block_scatter, one pass over many destinations
+    starts = torch.tensor(sorted({o for off in layout for o in _tensor_starts(off, shapes)}), dtype=torch.int64)
+    sizes = torch.diff(torch.cat([starts, torch.tensor([numel])])).tolist()
+    params = [torch.empty(n, dtype=src.dtype) for n in sizes]
+    index = torch.searchsorted(starts, plan[:, 1].contiguous(), right=True) - 1
+    scatter = torch.stack([plan[:, 0], index, plan[:, 1] - starts[index], plan[:, 2]], dim=1)
     cases = {
         "plain dst.copy_(src)": lambda: dst.copy_(src),
         "native block_copy": lambda: ext.block_copy(src, dst, plan),
+        "native block_scatter (per param)": lambda: ext.block_scatter(src, params, scatter),
         "reference (copy_ per block)": lambda: block_copy_reference(src, dst, plan),
         "naive cat/split regroup": lambda: naive_regroup(src, dst, shapes, layout, args.tp),
     }
@@ -117,15 +133,15 @@ def main() -> None:
         if name != "plain dst.copy_(src)":
             dst.zero_()
             fn()
-            out[name] = dst.clone()
+            out[name] = torch.cat(params) if "scatter" in name else dst.clone()
     ref = out["reference (copy_ per block)"]
-    assert all(torch.equal(v, ref) for v in out.values()), "native, reference and naive regroup disagree"
+    assert all(torch.equal(v, ref) for v in out.values()), "native, scatter, reference and naive regroup disagree"
     assert not torch.equal(ref, src), "the plan should permute blocks"
 
     base = seconds["plain dst.copy_(src)"]
-    print(f"{'case':<30}{'ms':>9}{'GB/s':>8}{'vs copy':>9}")
+    print(f"{'case':<34}{'ms':>9}{'GB/s':>8}{'vs copy':>9}")
     for name, s in seconds.items():
-        print(f"{name:<30}{s * 1e3:>9.1f}{gb / s:>8.2f}{base / s:>8.2f}x")
+        print(f"{name:<34}{s * 1e3:>9.1f}{gb / s:>8.2f}{base / s:>8.2f}x")
 
 
 if __name__ == "__main__":

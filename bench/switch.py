@@ -170,7 +170,7 @@ def _body(rank: int, world: int, paths: dict[str, str], repeat: int, bucket_byte
             report[(model, tp, pp)] = {
                 "params": params,
                 "equal": equal,
-                "baseline": {"times": base_times, **base_stats, "dest_bytes": 0},
+                "baseline": {"times": base_times, **base_stats, "dest_bytes": base_stats["bytes_copied"]},
                 "engine": {"times": eng_times, **eng_stats},
                 "into": {"times": into_times, **engine.stats.as_dict()},
             }
@@ -244,11 +244,10 @@ def main() -> None:
                 f"{'yes' if r['equal'] else 'NO'}"
             )
     print("'vs base' = baseline seconds / this row's seconds (higher is faster); 'extra' = bucket buffers (engine) or")
-    print(
-        "the largest per-tensor gather + cat transient (baseline); 'buffer' = the destination buffer, which vLLM must"
-    )
-    print("copy from when its parameters cannot alias it (CUDA graphs, sleep mode): into= needs none; 'same' = all")
-    print("methods give torch.equal tensors.")
+    print("the largest per-tensor gather + cat transient (baseline); 'buffer' = output tensors held beside vLLM's own")
+    print("weights (the baseline's cat/split results, the engine's destination buffer), which vLLM copies from when")
+    print("its parameters cannot alias them (CUDA graphs, sleep mode): into= writes vLLM's parameters, no buffer;")
+    print("'same' = all methods give torch.equal tensors.")
     if push:
         sw = statistics.median(report[("tiny", 2, 1)]["engine"]["times"])
         base = statistics.median(push["update_weights"])
