@@ -21,6 +21,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 cd "$HYBRIDRL_ROOT"
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# vLLM logs every engine step at INFO (prefix-cache resets after each weight push...); the progress line and
+# metrics are what matter here. VLLM_LOGGING_LEVEL=INFO bash launch/quickstart.sh shows them again.
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
 RUN_ARGS=(--standalone --nnodes 1 --nproc-per-node "$NPROC")
 JOB_ARGS=("$CONFIG" "trainer.nnodes=1" "trainer.n_gpus_per_node=$NPROC" "trainer.default_local_dir=$RUN_DIR")
 "$HYBRIDRL_VENV/bin/torchrun" "${RUN_ARGS[@]}" -m hybridrl train "${JOB_ARGS[@]}" "$@"
