@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
@@ -91,6 +92,24 @@ def check_whole_modules(names: Iterable[str]) -> None:
                         f"update_weights: {name!r} is pushed without {missing[0]!r}; push all parts of a fused "
                         "module in one call (or its fused name) or the layer is silently corrupted"
                     )
+
+
+def explain_start_error(message: str, utilization: float) -> str | None:
+    """A one-line fix for vLLM's start-up memory refusal (``request_memory``: the fraction
+    ``gpu_memory_utilization`` of the whole device must be free when the engine starts, and the colocated
+    Megatron models, optimizer and gradients already hold part of it); None for other errors."""
+    if "GPU memory utilization" not in message and "desired GPU memory utilization" not in message:
+        return None
+    free = re.search(r"\(([\d.]+)/([\d.]+) GiB\) on startup", message)
+    suggestion = ""
+    if free:
+        fraction = float(free.group(1)) / float(free.group(2))
+        suggestion = f" (about {max(0.05, fraction - 0.05):.2f} fits now)"
+    return (
+        f"rollout.gpu_memory_utilization ({utilization}) asks vLLM for more than this GPU has free next to the "
+        f"training models{suggestion}; lower it, or free memory first (actor.optimizer_offload, ref.param_offload, "
+        f"smaller micro-batches). vLLM said: {message.strip().splitlines()[0]}"
+    )
 
 
 def _write_config(hf_config: Any, folder: str) -> None:
@@ -197,7 +216,13 @@ class VLLMRolloutEngine(RolloutEngine):
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
         kwargs.update(engine_kwargs)
         t0 = time.perf_counter()
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        except ValueError as e:  # vLLM's start-up budget check, explained in this framework's terms
+            hint = explain_start_error(str(e), gpu_memory_utilization)
+            if hint is None:
+                raise
+            raise ValueError(hint) from e
         self.start_s = time.perf_counter() - t0
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
 

@@ -335,3 +335,23 @@ def test_from_config_maps_rollout_fields():
     assert got["max_num_seqs"] == 8 and got["pad_token_id"] == 2 and got["dtype"] == "float32"
     with pytest.raises(ValueError, match="load_config"):
         Recorder.from_config(RolloutConfig(), _config())
+
+
+def test_start_up_memory_refusal_is_explained():
+    """vLLM's own start-up check (``request_memory``: the utilization fraction of the device must be free) raises
+    its message; the engine turns it into one line naming the config key and a value that fits."""
+    from vllm.config import CacheConfig
+    from vllm.utils.mem_utils import MemorySnapshot
+    from vllm.v1.worker.utils import request_memory
+
+    from hybridrl.rollout.vllm_engine import explain_start_error
+
+    gib = 2**30
+    snapshot = MemorySnapshot(free_memory=40 * gib, total_memory=140 * gib, device="cpu", auto_measure=False)
+    with pytest.raises(ValueError) as refused:
+        request_memory(snapshot, CacheConfig(gpu_memory_utilization=0.5))
+    hint = explain_start_error(str(refused.value), 0.5)
+    assert hint is not None and "\n" not in hint
+    assert hint.startswith("rollout.gpu_memory_utilization (0.5) asks vLLM for more than this GPU has free")
+    assert "(about 0.24 fits now)" in hint and "actor.optimizer_offload" in hint
+    assert explain_start_error("some other vLLM error", 0.5) is None
