@@ -630,46 +630,38 @@ def main() -> int:
         return _finish(report, t_start)
 
     wanted = args.sections.split(",")
+
+    def run(name: str, title: str, fn) -> None:
+        """One section: its checks go to the report; an exception marks the section failed, the rest still run."""
+        log(f"== {title}")
+        t0 = time.time()
+        try:
+            report.sections[name] = {"ok": True, **(fn() or {})}
+        except Exception as e:
+            log(traceback.format_exc())
+            report.sections[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        report.sections[name]["seconds"] = time.time() - t0
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
     if "parity" in wanted:
-        log("== section 1: HF parity (fp32, TF32 off)")
-        t0 = time.time()
-        try:
-            section_parity(report, device, args.archs.split(","))
-            report.sections["parity"] = {"ok": True, "seconds": time.time() - t0}
-        except Exception as e:
-            log(traceback.format_exc())
-            report.sections["parity"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.time() - t0}
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        run(
+            "parity",
+            "section 1: HF parity (fp32, TF32 off)",
+            lambda: section_parity(report, device, args.archs.split(",")),
+        )
     if "train" in wanted:
-        log("== section 2: timed training step" + (" (dry run: tiny fp32 shape)" if dry else " (bf16)"))
-        t0 = time.time()
-        try:
-            result = section_train(report, device, dry)
-            report.sections["train"] = {"ok": True, "seconds": time.time() - t0, **result}
-        except Exception as e:
-            log(traceback.format_exc())
-            report.sections["train"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.time() - t0}
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        title = "section 2: timed training step" + (" (dry run: tiny fp32 shape)" if dry else " (bf16)")
+        run("train", title, lambda: section_train(report, device, dry))
     if "reshard" in wanted:
-        log("== section 3: reshard kernel" + (" (dry run: C++ kernel, small plan)" if dry else " (CUDA)"))
-        t0 = time.time()
-        try:
-            result = section_reshard(report, device, dry)
-            report.sections["reshard"] = {"ok": True, "seconds": time.time() - t0, **result}
-        except Exception as e:
-            log(traceback.format_exc())
-            report.sections["reshard"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.time() - t0}
+        title = "section 3: reshard kernel" + (" (dry run: C++ kernel, small plan)" if dry else " (CUDA)")
+        run("reshard", title, lambda: section_reshard(report, device, dry))
     if "switch" in wanted:
-        log("== section 4: training -> rollout switch on the device (world 1)")
-        t0 = time.time()
-        try:
-            result = section_switch(report, device)
-            report.sections["switch"] = {"ok": True, "seconds": time.time() - t0, **result}
-        except Exception as e:
-            log(traceback.format_exc())
-            report.sections["switch"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.time() - t0}
+        run(
+            "switch",
+            "section 4: training -> rollout switch on the device (world 1)",
+            lambda: section_switch(report, device),
+        )
     if "vllm" in wanted:
         try:
             import vllm
@@ -677,18 +669,8 @@ def main() -> int:
             log("== section 5: official vLLM: not installed here, skipped (reported as such, not as a pass)")
             report.info["vllm"] = "not installed: section 5 did not run"
         else:
-            log(f"== section 5: vLLM {vllm.__version__}: direct writes, sleep/wake, log-probs vs Megatron")
-            t0 = time.time()
-            try:
-                result = section_vllm(report, device, dry)
-                report.sections["vllm"] = {"ok": True, "seconds": time.time() - t0, **result}
-            except Exception as e:
-                log(traceback.format_exc())
-                report.sections["vllm"] = {
-                    "ok": False,
-                    "error": f"{type(e).__name__}: {e}",
-                    "seconds": time.time() - t0,
-                }
+            title = f"section 5: vLLM {vllm.__version__}: direct writes, sleep/wake, log-probs vs Megatron"
+            run("vllm", title, lambda: section_vllm(report, device, dry))
     return _finish(report, t_start)
 
 
