@@ -308,14 +308,15 @@ def _split_at(blocks: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     begin = blocks[:, 1].contiguous()
     first = torch.searchsorted(starts, begin, right=True)
     last = torch.searchsorted(starts, begin + blocks[:, 2] - 1, right=True)
-    if bool((first == last).all()):
+    cross = first != last
+    if not bool(cross.any()):
         return blocks
-    rows = []
-    for (s, d, n), a, b in zip(blocks.tolist(), first.tolist(), last.tolist(), strict=True):
-        for cut in [*starts[a:b].tolist(), d + n]:
+    rows, cuts = [], starts.tolist()  # only the few crossing blocks in Python (a 70B plan has millions of rows)
+    for (s, d, n), a, b in zip(blocks[cross].tolist(), first[cross].tolist(), last[cross].tolist(), strict=True):
+        for cut in [*cuts[a:b], d + n]:
             rows.append((s, d, cut - d))
             s, n, d = s + cut - d, n - (cut - d), cut
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
+    return torch.cat([blocks[~cross], torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)])
 
 
 def _gaps(ranges: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:

@@ -276,6 +276,13 @@ def test_llama70b_plans(tp, pp, vpp, tp_i, ranks):
         c = layout.coords(rank)
         roles.append((c.pp, c.tp, rank % tp_i))
     _check_symbolic(plan, roles, pad_vocab=True)
+    # the switch re-aimed at vLLM's parameters (into=): no buffer, every element kept, each row inside its tensor
+    rp, dests = plan.for_rank(*roles[0]), plan.dests[roles[0][2]]
+    sp = _ScatterPlan.build(rp, dests, ("all",), set(rp.offsets))
+    rows = torch.cat([c for c in sp.copies if len(c)]) if rp.copied_numel else torch.empty(0, 4, dtype=torch.int64)
+    sizes = torch.tensor([0] + [next(d.numel for d in dests if d.name == n) for n in sp.targets])
+    assert sp.buffer_numel == 0 and int(rows[:, 3].sum()) == rp.copied_numel
+    assert bool((rows[:, 1] > 0).all()) and bool((rows[:, 2] + rows[:, 3] <= sizes[rows[:, 1]]).all())
     if tp == tp_i and pp == 1:  # 8 groups at tp 8: every tensor but the vocab-split ones is a view
         assert len(plan.needed) == 2
     if tp_i == 16:  # two rollout ranks per KV head
