@@ -58,6 +58,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hybridrl.config.schema_roles import RolloutConfig
 from hybridrl.protocol import DataProto
@@ -304,8 +305,11 @@ class VLLMRolloutEngine(RolloutEngine):
         if settings.get("seed") is None and self.tensor_parallel_size > 1:
             # the TP ranks each sample; unseeded requests draw from each process's global RNG, which training
             # may have advanced differently per rank: per-request seeds keep the ranks' tokens (and schedules)
-            # identical. Derived from the engine seed and the call count, the same on every rank.
-            settings["seed"] = ((self.seed * 1_000_003 + self._generate_calls) << 20) % (1 << 62)
+            # identical. Derived from the engine seed, the call count and the replica (rollout groups are
+            # consecutive ranks): the same within a TP group, different between replicas.
+            replica = dist.get_rank() // self.tensor_parallel_size if dist.is_initialized() else 0
+            mixed = (self.seed * 1_000_003 + self._generate_calls) * 10_007 + replica
+            settings["seed"] = (mixed << 20) % (1 << 62)
         n, max_tokens = int(settings.get("n", 1)), int(settings["max_tokens"])
         if n > 1 and not settings.get("temperature"):
             raise ValueError(f"sampling n ({n}) > 1 needs temperature > 0 (greedy samples would be identical)")
