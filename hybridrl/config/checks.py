@@ -374,10 +374,10 @@ def check_batch_sizes(cfg: RunConfig, world: int) -> None:
         _fail(f"{step} must be divisible by actor.megatron.dp_size ({dp}); change data.train_batch_size",
               "data.train_batch_size")  # fmt: skip
     replicas = world // cfg.rollout.tp_size
-    if total % replicas:
+    if prompts % replicas:  # prompts, not responses, are split over the engines (each samples n per prompt)
         _fail(
-            f"{step} must be divisible by the rollout replicas (world_size {world} / rollout.tp_size "
-            f"{cfg.rollout.tp_size} = {replicas}); change data.train_batch_size",
+            f"data.train_batch_size ({prompts}) must be divisible by the rollout replicas (world_size {world} / "
+            f"rollout.tp_size {cfg.rollout.tp_size} = {replicas}); change data.train_batch_size",
             "data.train_batch_size",
         )
     for role in ("actor", "critic") if cfg.critic.enable else ("actor",):

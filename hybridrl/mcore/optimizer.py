@@ -129,8 +129,9 @@ class TorchOptimizer(_Checkpointable):
     """CPU path: ``torch.optim.AdamW`` + bucketed DP all-reduce (sum) + TP/PP-aware clipping.
 
     Collectives per :meth:`step`: one all-reduce per bucket over DP (none when dp == 1), one over the
-    embedding group for tied embeddings under PP, and one all-reduce of ``[sum of squares, non-finite
-    count]`` over the model-parallel group (none when tp * pp == 1).
+    embedding group for tied embeddings under PP, one over TP for replicated params whose gradient is split
+    between TP ranks (q/k layernorms), and one all-reduce of ``[sum of squares, non-finite count]`` over the
+    model-parallel group (none when tp * pp == 1).
     """
 
     def __init__(self, chunks: list[torch.nn.Module], config: OptimConfig) -> None:
@@ -157,6 +158,15 @@ class TorchOptimizer(_Checkpointable):
         self._counted = [_counts_in_norm(p, tp_rank) for p in self.params]
         # Tied embeddings under PP: the first stage's embedding and the last stage's copy (``shared``).
         self._tied = [i for i, p in enumerate(self.params) if getattr(p, "shared_embedding", False)]
+        # TP-replicated params whose gradient each TP rank only has a part of (Megatron's finalize_model_grads
+        # sums them over TP): q/k layernorm weights (Qwen3's qk_norm: each rank normalises its own heads) and,
+        # under sequence parallelism, the layernorms; averaged over TP, as Megatron does, when marked so.
+        self._tp_sum, self._tp_avg = [], []
+        for i, (name, p) in enumerate(named):
+            if getattr(p, "average_gradients_across_tp_domain", False):
+                self._tp_avg.append(i)
+            elif getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name:
+                self._tp_sum.append(i)
         self.num_steps = 0
 
     def zero_grad(self) -> None:
@@ -192,6 +202,22 @@ class TorchOptimizer(_Checkpointable):
         for i, piece in zip(self._tied, flat.split([grads[i].numel() for i in self._tied]), strict=True):
             grads[i].copy_(piece.view_as(grads[i]))
 
+    def _reduce_partial_over_tp(self, grads: list[torch.Tensor]) -> None:
+        group = mpu.get_tensor_model_parallel_group()
+        if dist.get_world_size(group) == 1:
+            return
+        for indices, op in ((self._tp_sum, dist.ReduceOp.SUM), (self._tp_avg, dist.ReduceOp.AVG)):
+            if not indices:
+                continue
+            flat = torch.cat([grads[i].reshape(-1) for i in indices])
+            if op == dist.ReduceOp.AVG:  # gloo has no AVG
+                dist.all_reduce(flat, group=group)
+                flat /= dist.get_world_size(group)
+            else:
+                dist.all_reduce(flat, op=op, group=group)
+            for i, piece in zip(indices, flat.split([grads[i].numel() for i in indices]), strict=True):
+                grads[i].copy_(piece.view_as(grads[i]))
+
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         norms = torch.stack(torch._foreach_norm(grads)).double() if grads else torch.zeros(0, dtype=torch.float64)
         counted = torch.tensor(self._counted, dtype=torch.bool)
@@ -207,6 +233,7 @@ class TorchOptimizer(_Checkpointable):
         grads = self._grads()
         self._reduce_over_dp(grads)
         self._sync_tied_embeddings(grads)
+        self._reduce_partial_over_tp(grads)
         norm = self._global_norm(grads)
         lr = self.schedule(self.num_steps)
         if not math.isfinite(norm):

@@ -102,6 +102,14 @@ class RLTrainer:
             metrics["reward/rm_score_mean"] = float(rm.mean())
         return scores, metrics
 
+    def _remax_baselines(self, prompts: DataProto, n: int) -> torch.Tensor:
+        """ReMax (Li et al. 2023, Alg. 1): the baseline of every sample is the score of the greedy response to its
+        prompt; one greedy generation per prompt, scored like the samples, repeated over the prompt's n samples
+        (which generate_sequences lays out adjacent)."""
+        greedy, _ = self._rollout(prompts, n=1, temperature=0.0)
+        scores, _ = self._score(greedy)
+        return scores.sum(1).repeat_interleave(n)
+
     def _advantages(self, batch: DataProto) -> dict[str, float]:
         a, mask = self.cfg.algorithm, batch.batch["response_mask"]
         scores = batch.batch["token_level_scores"]
@@ -121,6 +129,7 @@ class RLTrainer:
             gamma=a.gamma,
             lam=a.lam,
             norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+            reward_baselines=batch.batch.get("reward_baselines"),
         )
         batch.batch["advantages"], batch.batch["returns"] = adv, returns
         metrics["critic/advantages_mean"] = _masked_mean(adv, mask)
@@ -136,6 +145,9 @@ class RLTrainer:
         metrics.update(switch)
         with timer("reward"):
             batch.batch["token_level_scores"], reward_m = self._score(batch)
+        if self.cfg.algorithm.adv_estimator == "remax":
+            with timer("remax_baseline"):
+                batch.batch["reward_baselines"] = self._remax_baselines(prompts, len(batch) // len(prompts))
         with timer("old_log_prob"):
             batch = batch.union(self.actor.compute_log_prob(batch))
         if self.ref is not None:

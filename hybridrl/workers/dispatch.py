@@ -101,7 +101,17 @@ def dispatched(method: Callable, dp_size: int, dp_rank: int, dp_group: Any) -> C
                 raise TypeError(f"{method.__name__} is DP_COMPUTE: its first argument must be a DataProto")
             chunk, pad = split_for_dp(args[0], dp_size, dp_rank)
             out = method(chunk, *args[1:], **kwargs)
-            return gather_from_dp(out, dp_group, pad) if isinstance(out, DataProto) else out
+            if not isinstance(out, DataProto):
+                return out
+            # a method may return k rows per input row (generate_sequences: n samples per prompt, adjacent):
+            # the padding rows then came back k times each
+            k = len(out) // len(chunk) if len(chunk) else 1
+            if len(chunk) and len(out) != k * len(chunk):
+                raise RuntimeError(
+                    f"{method.__name__} returned {len(out)} rows for {len(chunk)} inputs: DP_COMPUTE methods must "
+                    "return a whole number of rows per input row"
+                )
+            return gather_from_dp(out, dp_group, pad * k)
         if mode is Dispatch.ONE_TO_ALL and dist.is_initialized() and dist.get_world_size() > 1:
             out = method(*args, **kwargs)
             box = [out if dist.get_rank() == 0 else None]

@@ -32,8 +32,16 @@ _TEST_NAN_LOSS = os.environ.get("HYBRIDRL_TEST_NAN_LOSS") == "1"
 COMPUTE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
 
+def optimizer_steps(cfg: RunConfig, role: Any) -> int:
+    """Optimizer updates of ``role`` (actor / critic section) over the run: every trainer step makes
+    (train_batch_size * rollout.n / ppo_mini_batch_size) mini-batch updates per PPO epoch. The LR schedule
+    advances once per update, so its length (and a warmup ratio) is counted in these."""
+    per_step = cfg.data.train_batch_size * cfg.rollout.n // role.ppo_mini_batch_size * role.ppo_epochs
+    return cfg.trainer.total_steps * max(per_step, 1)
+
+
 def optim_config(section: Any, total_steps: int) -> OptimConfig:
-    """mcore's optimizer settings from a config ``optim`` section."""
+    """mcore's optimizer settings from a config ``optim`` section; ``total_steps`` counts optimizer updates."""
     warmup = section.lr_warmup_steps
     if warmup is None:
         warmup = int(section.lr_warmup_ratio * total_steps)
@@ -91,7 +99,9 @@ class ActorRolloutWorker(_TrainedRole):
         self.cfg = cfg
         dtype = getattr(torch, cfg.model.dtype)
         self.model = roles.build_actor(model_path, dtype=dtype)
-        self.optimizer = build_optimizer(self.model.chunks, optim_config(cfg.actor.optim, cfg.trainer.total_steps))
+        self.optimizer = build_optimizer(
+            self.model.chunks, optim_config(cfg.actor.optim, optimizer_steps(cfg, cfg.actor))
+        )
         self._setup_dp()
         r = cfg.rollout
         self.rollout_dp_size, self.rollout_dp_rank, self.rollout_dp_group = rollout_replica_info(r.tp_size)
@@ -220,7 +230,9 @@ class CriticWorker(_TrainedRole):
     def __init__(self, cfg: RunConfig, model_path: str) -> None:
         self.cfg = cfg
         self.model = roles.build_critic(model_path, dtype=getattr(torch, cfg.model.dtype))
-        self.optimizer = build_optimizer(self.model.chunks, optim_config(cfg.critic.optim, cfg.trainer.total_steps))
+        self.optimizer = build_optimizer(
+            self.model.chunks, optim_config(cfg.critic.optim, optimizer_steps(cfg, cfg.critic))
+        )
         self._setup_dp()
         self.version = 0
 

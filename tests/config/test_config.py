@@ -279,7 +279,11 @@ CASES = [
      "by actor.megatron.dp_size (4); change data.train_batch_size"),
     (P7, ["rollout.tp_size=1", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
           "actor.ppo_micro_batch_size_per_gpu=1"],
-     "data.train_batch_size (4) * rollout.n (1) = 4 responses must be divisible by the rollout replicas "
+     "data.train_batch_size (4) must be divisible by the rollout replicas "
+     "(world_size 8 / rollout.tp_size 1 = 8); change data.train_batch_size"),
+    (P7, ["rollout.tp_size=1", "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=8",
+          "actor.ppo_micro_batch_size_per_gpu=1"],  # 8 responses would split, but prompts go to the engines
+     "data.train_batch_size (4) must be divisible by the rollout replicas "
      "(world_size 8 / rollout.tp_size 1 = 8); change data.train_batch_size"),
     (P7, ["actor.ppo_mini_batch_size=48"],
      "actor.ppo_mini_batch_size (48) must divide data.train_batch_size (256) * rollout.n (1) = 256 responses"),

@@ -298,6 +298,11 @@ def _optimizer_body(rank: int, world_size: int) -> dict:
     report["count_small_buckets"] = _count_collectives(SHAPE, 20_000)
     report["nan"] = _nan_skips(GPTShape(**dict(SHAPE, num_query_groups=2)))
     report["tied"] = _tied_embeddings(SHAPE)
+    # Qwen3's q/k layernorms: replicated over TP, but each TP rank's gradient covers only its own heads
+    qk = GPTShape(**dict(SHAPE, qk_norm=True))
+    qk_ref = _reference(qk, batches)
+    report["qk_ref_norms"] = qk_ref["norms"]
+    report["qk_norm_tp4"] = _run_layout(qk, qk_ref, batches, {"tp": 4}, "torch")
     return report
 
 
@@ -324,6 +329,16 @@ def test_step_matches_reference_for_every_split(reports, name):
         for norm, ref_norm in zip(r["norms"], rep["ref_norms"], strict=True):
             assert norm == pytest.approx(ref_norm, rel=1e-5), (rank, r, rep["ref_norms"])
             assert norm > rep["clip"], "clipping must be active in this test"
+
+
+@multirank
+def test_qk_norm_grads_are_summed_over_tp(reports):
+    """q/k layernorm weights stay equal to a whole model's under TP 4 (their partial gradients are summed over TP,
+    as Megatron's finalize_model_grads does); without the sum every rank stepped on its own heads' part."""
+    for rank, rep in enumerate(reports):
+        r = rep["qk_norm_tp4"]
+        assert r["skipped"] == [False] * STEPS and r["weights_rel_diff"] <= 1e-5, (rank, r)
+        assert r["norms"] == pytest.approx(rep["qk_ref_norms"], rel=1e-5), (rank, r)
 
 
 @multirank

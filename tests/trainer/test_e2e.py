@@ -87,3 +87,13 @@ def test_ppo_with_rollout_tp2(tmp_path):
     assert step["rollout/bytes_in_place"] > 0 and step["rollout/bytes_repacked"] > 0
     parts = step["reshard/dest_bytes"] + step["reshard/bytes_shared"] + step["reshard/bytes_direct"]
     assert step["rollout/bytes"] == parts  # each pushed tensor: the buffer, a training tensor or vLLM's own
+
+
+def test_remax_two_steps(tmp_path):
+    """ReMax: a greedy response per prompt is generated and scored each step as its samples' baseline."""
+    history = _train(
+        tmp_path, "algorithm.adv_estimator=remax", "rollout.n=2", "critic.enable=false", "actor.use_kl_loss=true",
+        "algorithm.use_kl_in_reward=false", "actor.ppo_mini_batch_size=8",
+    )  # fmt: skip
+    _check(history, critic=False)
+    assert all(h["timing_s/remax_baseline"] > 0 for h in history if h["step"] > 0)

@@ -28,6 +28,11 @@ class SquareWorker:
         x = data.batch["x"]
         return DataProto.from_dict(tensors={"y": x * x, "x": x}, non_tensors={"tag": data.non_tensor_batch["tag"]})
 
+    @register(Dispatch.DP_COMPUTE)
+    def samples(self, data: DataProto, n: int) -> DataProto:
+        """n rows per input row, adjacent: the layout of generate_sequences."""
+        return data.repeat(n, interleave=True)
+
     @register(Dispatch.ONE_TO_ALL)
     def rank_sum(self, data: DataProto) -> float:
         import torch.distributed as dist
@@ -57,6 +62,7 @@ def _body(rank: int, world: int, tp: int, n: int) -> dict:
         "tag": list(out.non_tensor_batch["tag"]),
         "seen": group.worker.seen,
         "one_to_all": group.rank_sum(data),
+        "samples": group.samples(data, 3).batch["x"].tolist(),
         "not_registered": not_registered,
     }
 
@@ -72,6 +78,8 @@ def test_dp_compute_splits_and_gathers():
         assert r["tag"] == [f"t{i}" for i in range(7)], rank
         assert r["seen"] == [4], rank  # each DP rank computed half of the padded batch
         assert r["one_to_all"] == sum(expected_x), rank
+        # 3 rows per input: the padding row's 3 outputs are dropped, not 1 of them
+        assert r["samples"] == [v for v in expected_x for _ in range(3)], rank
         assert "not a registered worker method" in r["not_registered"]
 
 
