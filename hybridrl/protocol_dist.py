@@ -195,8 +195,8 @@ def all_gather(data: DataProto, group: dist.ProcessGroup | None = None) -> DataP
         send = torch.zeros(1, max_bytes, dtype=torch.uint8, device=device)
         _pack(data, send[:, :nbytes], 1)
         dist.all_gather(list(gathered.unbind(0)), send[0], group=group)
-    parts = [
-        DataProto(_unpack(gathered[r], schema, h["rows"]), h["non_tensor_batch"], h["meta_info"])
+    parts = [  # each rank's bytes in that rank's own field order (ranks may have inserted fields differently)
+        DataProto(_unpack(gathered[r], h["schema"], h["rows"]), h["non_tensor_batch"], h["meta_info"])
         for r, h in enumerate(headers)
     ]
     return DataProto.concat(parts)

@@ -98,6 +98,26 @@ def _scorer(source: str | None, name="compute_score", unknown_source=None):
     return build
 
 
+def _val_source(source: str):
+    """A training file the registry scores, a validation file whose data_source it does not know."""
+
+    def build(tmp, assets):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from hybridrl.config.schema import RewardConfig
+        from hybridrl.data import RLHFDataset
+        from hybridrl.rewards import RewardManager
+        from hybridrl.trainer.main import check_reward_sources
+
+        for name, row in (("train", _row()), ("val", _row(data_source=source))):
+            pq.write_table(pa.Table.from_pylist([row]), tmp / f"{name}.parquet")
+        train, val = (RLHFDataset([tmp / f"{n}.parquet"], assets.tokenizer) for n in ("train", "val"))
+        return lambda: check_reward_sources(RewardManager.from_config(RewardConfig()), train, val)
+
+    return build
+
+
 def _hf(config=None, weights=None, files=None, tp=1, head="lm", folder=None):
     """The good tiny qwen2 checkpoint, copied and broken: ``config(dict)``, ``weights(dict)``, ``files(path)``."""
 
@@ -247,6 +267,8 @@ CASES = [
           "tokenizer path '<tmp>/no_tokenizer' does not exist; check model.tokenizer_path"),
     _case("data-scorer-unknown-source", _scorer(None, unknown_source="unknown/source"), ValueError,
           "no reward scorer for data_source 'unknown/source'; known: [", "set reward.scorer, reward.custom.path"),
+    _case("data-scorer-unknown-val-source", _val_source("val/only"), ValueError,
+          "no reward scorer for data_source 'val/only'; known: [", "set reward.scorer, reward.custom.path"),
     _case("data-scorer-missing-function", _scorer("def score(a, b, c, d):\n    return 1.0\n"), ValueError,
           "reward.custom.name 'compute_score' is not a function in '<tmp>/my_reward.py' (it defines ['score'])"),
     _case("data-scorer-syntax-error", _scorer("def compute_score(:\n"), ValueError,

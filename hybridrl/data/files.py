@@ -1,4 +1,5 @@
-"""Prompt files on disk: reading parquet / jsonl into rows, writing rows back (the quickstart's demo data).
+"""Prompt files on disk: reading parquet / jsonl (or a ``.json`` array of rows) into rows, writing rows back
+(the quickstart's demo data).
 
 This module owns the file-level checks that run before training starts: the file exists and parses,
 and the required columns are there. Each failure is one line naming the file, the column and the fix.
@@ -19,6 +20,16 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 
 def _read_table(path: Path, wanted: Sequence[str]) -> tuple[list[str], dict[str, list[Any]]]:
     """All column names of one file, and column name -> values for the ``wanted`` columns it has."""
+    if path.suffix == ".json" and _starts_with(path, "["):  # a JSON array of row objects (not JSON Lines)
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not a JSON array ({err.msg} at line {err.lineno}); fix the file") from None
+        bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+        if bad is not None:
+            raise ValueError(f"{path}: element {bad} of the JSON array is not an object; each element must be one row")
+        names = list(dict.fromkeys(k for r in rows for k in r))
+        return names, {c: [r.get(c) for r in rows] for c in wanted if c in names}
     if path.suffix in JSONL_SUFFIXES:
         rows = []
         with path.open(encoding="utf-8") as f:
@@ -43,6 +54,12 @@ def _read_table(path: Path, wanted: Sequence[str]) -> tuple[list[str], dict[str,
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"cannot read {path} as parquet ({first}); check the file (or use .jsonl)") from None
     return names, {name: table.column(name).to_pylist() for name in table.column_names}
+
+
+def _starts_with(path: Path, char: str) -> bool:
+    with path.open(encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
+    return head.startswith(char)
 
 
 def read_rows(path: str | os.PathLike, required: Sequence[str], optional: Sequence[str] = ()) -> dict[str, list[Any]]:

@@ -37,10 +37,15 @@ def last_boxed(text: str) -> str | None:
     return None  # unbalanced braces
 
 
+_THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
+_DECIMAL = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def normalize(answer: str) -> str:
     """A canonical string for simple answers (see the module docstring for the rules)."""
     s = answer.strip().replace("\n", "")
-    for old, new in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("\\,", ""), ("\\;", ""), ("$", "")):
+    # "\\$" before "$": removing "$" first leaves a stray backslash ("\\$18.90" -> "\\18.90")
+    for old, new in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\$", ""), ("$", "")):
         s = s.replace(old, new)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = _TEXT.sub(r"\1", s)
@@ -62,10 +67,10 @@ def _paren(term: str) -> str:
 
 
 def _as_number(s: str) -> float | None:
-    try:
-        return float(s.replace(",", ""))
-    except ValueError:
-        pass
+    if _THOUSANDS.fullmatch(s):  # 32,348 -> 32348; "1,2" (two roots) stays a list, not 12
+        s = s.replace(",", "")
+    if _DECIMAL.fullmatch(s):  # float() alone would also take "1_0", "inf", "nan"
+        return float(s)
     m = _FRACTION.match(s)
     if m and float(m.group(2)) != 0:
         return float(m.group(1)) / float(m.group(2))

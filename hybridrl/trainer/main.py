@@ -37,6 +37,13 @@ def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
     return cfg.model.path, tokenizer, list(cfg.data.train_files), list(cfg.data.val_files)
 
 
+def check_reward_sources(reward: Any, train_ds: Any, val_ds: Any | None) -> None:
+    """Every data_source of the training AND validation data has a scorer (an unknown validation source would
+    otherwise score 0 on every sample, silently, each validation)."""
+    if reward is not None:
+        reward.check_data_sources([*train_ds.data_sources, *(val_ds.data_sources if val_ds is not None else [])])
+
+
 def resolve_total_steps(cfg: RunConfig, num_prompts: int) -> int:
     """``trainer.total_steps``; None in the config = ``total_epochs`` x full batches per epoch (set in place)."""
     if cfg.trainer.total_steps is None:
@@ -67,8 +74,7 @@ def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
     train_ds = RLHFDataset(train_files, tokenizer, cfg.data)
     val_ds = RLHFDataset(val_files, tokenizer, cfg.data) if val_files else None
     reward = RewardManager.from_config(cfg.reward)  # None: only the reward model scores
-    if reward is not None:
-        reward.check_data_sources(train_ds.data_sources)
+    check_reward_sources(reward, train_ds, val_ds)
     if penv.rank == 0:
         print(f"[hybridrl] {layout.describe()}; {train_ds.summary()}", flush=True)
     resolve_total_steps(cfg, len(train_ds))

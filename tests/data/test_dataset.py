@@ -139,6 +139,21 @@ def test_several_files_jsonl_optional_extra_info_and_dataconfig(hf_tok, tmp_path
     assert "5 prompts from 2 file(s): 5 read, 0 dropped" in ds.summary()
 
 
+def test_json_array_file_reads_like_jsonl(hf_tok, tmp_path):
+    """A .json file may hold JSON Lines or one JSON array of rows: both give the same dataset."""
+    import json
+
+    lines = write_rows(rows(3), tmp_path / "a.jsonl")
+    (tmp_path / "b.json").write_text(json.dumps(rows(3), indent=2))
+    a, b = (RLHFDataset([p], hf_tok, {"max_prompt_length": 32}) for p in (lines, tmp_path / "b.json"))
+    assert len(a) == len(b) == 3
+    for i in range(3):
+        assert torch.equal(a[i]["input_ids"], b[i]["input_ids"]) and a[i]["ground_truth"] == b[i]["ground_truth"]
+    (tmp_path / "c.json").write_text(json.dumps([rows(1)[0], 5]))
+    with pytest.raises(ValueError, match=r"c.json: element 1 of the JSON array is not an object"):
+        RLHFDataset([tmp_path / "c.json"], hf_tok, {"max_prompt_length": 32})
+
+
 def _truths(batches):
     return [list(b.non_tensor_batch["ground_truth"]) for b in batches]
 

@@ -107,6 +107,11 @@ def _body(rank: int, world: int) -> bytes:
     start = sum(VAR_SIZES[world][:rank])
     out["gather_var"] = all_gather(full[start : start + VAR_SIZES[world][rank]])
     out["gather_no_tensors"] = all_gather(full.select(keys=[])[start : start + VAR_SIZES[world][rank]])
+    # the same fields inserted in another order on odd ranks: each part must be read in its own order
+    mine = full.chunk(world)[rank]
+    keys = list(mine.batch.keys())
+    order = keys[::-1] if rank % 2 else keys
+    out["gather_reordered"] = all_gather(DataProto({k: mine.batch[k] for k in order}, mine.non_tensor_batch))
 
     odd = full[: 2 * world + 1]
     out["scatter_error"] = _capture(lambda: scatter(odd if rank == 0 else None))
@@ -159,6 +164,14 @@ def test_all_gather_with_different_sizes_per_rank(ranks):
         assert len(res["gather_var"]) == sum(VAR_SIZES[world])
         assert_same(res["gather_var"], DataProto.concat(parts))
         assert_same(res["gather_no_tensors"], DataProto.concat([p.select(keys=[]) for p in parts]))
+
+
+def test_all_gather_reads_each_rank_in_its_own_field_order(ranks):
+    world, results = ranks
+    full = _full(4 * world)
+    for res in results:
+        for key in full.batch:
+            assert torch.equal(res["gather_reordered"].batch[key], full.batch[key]), key
 
 
 def test_errors_are_raised_on_every_rank(ranks):

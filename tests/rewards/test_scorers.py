@@ -59,7 +59,15 @@ def test_gsm8k_strict_and_flexible():
         ("$\\boxed 7$", "7", 1.0),
         ("\\fbox{3}", "\\boxed{3}", 1.0),
         ("\\boxed{\\left( 1, 2 \\right)}", "(1,2)", 1.0),
+        ("\\boxed{\\$18.90}", "18.90", 1.0),  # MATH's dollar answers, with or without the sign on either side
+        ("\\boxed{18.90}", "\\$18.90", 1.0),
+        ("\\boxed{\\text{\\$}5}", "5", 1.0),
+        ("\\boxed{32,348}", "32348", 1.0),  # a thousands separator
+        ("\\boxed{-1,234.5}", "-1234.5", 1.0),
         ("\\boxed{3}", "4", 0.0),
+        ("\\boxed{12}", "1,2", 0.0),  # two roots are not the number 12
+        ("\\boxed{35}", "3,5", 0.0),
+        ("\\boxed{1_0}", "10", 0.0),  # Python's float() reads 1_0 as 10; an answer does not
         ("no box 42", "42", 0.0),
         ("\\boxed{unbalanced", "unbalanced", 0.0),
     ],
