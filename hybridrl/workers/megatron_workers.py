@@ -40,8 +40,28 @@ def optimizer_steps(cfg: RunConfig, role: Any) -> int:
     return cfg.trainer.total_steps * max(per_step, 1)
 
 
-def optim_config(section: Any, total_steps: int) -> OptimConfig:
-    """mcore's optimizer settings from a config ``optim`` section; ``total_steps`` counts optimizer updates."""
+def model_options(megatron: Any, key: str) -> dict[str, Any]:
+    """``TransformerConfig`` overrides from a role's ``megatron`` section: activation recompute and sequence
+    parallelism (the layout sizes come from the process groups)."""
+    out: dict[str, Any] = {}
+    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        if getattr(megatron, name) is not None:
+            out[name] = getattr(megatron, name)
+    if megatron.sequence_parallel:
+        from hybridrl.mcore import gpt
+
+        if not gpt.use_transformer_engine():
+            raise ValueError(
+                f"{key}.sequence_parallel (true) needs TransformerEngine's norms (a GPU with transformer_engine); "
+                "Megatron's torch norms refuse it: set it to false here"
+            )
+        out["sequence_parallel"] = True
+    return out
+
+
+def optim_config(section: Any, total_steps: int, megatron: Any = None) -> OptimConfig:
+    """mcore's optimizer settings from a config ``optim`` section; ``total_steps`` counts optimizer updates;
+    ``megatron`` (the role's section) chooses the DistributedOptimizer (None there = on with CUDA)."""
     warmup = section.lr_warmup_steps
     if warmup is None:
         warmup = int(section.lr_warmup_ratio * total_steps)
@@ -55,7 +75,11 @@ def optim_config(section: Any, total_steps: int) -> OptimConfig:
         betas=tuple(section.betas),
         eps=section.eps,
         clip_grad=section.clip_grad,
-        use_distributed_optimizer=torch.cuda.is_available(),
+        use_distributed_optimizer=(
+            torch.cuda.is_available()
+            if megatron is None or megatron.use_distributed_optimizer is None
+            else megatron.use_distributed_optimizer
+        ),
     )
 
 
@@ -98,9 +122,10 @@ class ActorRolloutWorker(_TrainedRole):
 
         self.cfg = cfg
         dtype = getattr(torch, cfg.model.dtype)
-        self.model = roles.build_actor(model_path, dtype=dtype)
+        m = cfg.actor.megatron
+        self.model = roles.build_actor(model_path, dtype=dtype, **model_options(m, "actor.megatron"))
         self.optimizer = build_optimizer(
-            self.model.chunks, optim_config(cfg.actor.optim, optimizer_steps(cfg, cfg.actor))
+            self.model.chunks, optim_config(cfg.actor.optim, optimizer_steps(cfg, cfg.actor), m)
         )
         self._setup_dp()
         r = cfg.rollout
@@ -229,9 +254,11 @@ class CriticWorker(_TrainedRole):
 
     def __init__(self, cfg: RunConfig, model_path: str) -> None:
         self.cfg = cfg
-        self.model = roles.build_critic(model_path, dtype=getattr(torch, cfg.model.dtype))
+        m = cfg.critic.megatron or cfg.actor.megatron
+        options = model_options(m, "critic.megatron")
+        self.model = roles.build_critic(model_path, dtype=getattr(torch, cfg.model.dtype), **options)
         self.optimizer = build_optimizer(
-            self.model.chunks, optim_config(cfg.critic.optim, optimizer_steps(cfg, cfg.critic))
+            self.model.chunks, optim_config(cfg.critic.optim, optimizer_steps(cfg, cfg.critic), m)
         )
         self._setup_dp()
         self.version = 0
@@ -270,9 +297,11 @@ class ReferenceWorker:
 
     def __init__(self, cfg: RunConfig, model_path: str) -> None:
         self.cfg = cfg
+        m = cfg.ref.megatron or cfg.actor.megatron
         self.model = roles.build_reference(
-            model_path, offload=cfg.ref.param_offload, dtype=getattr(torch, cfg.model.dtype)
-        )
+            model_path, offload=cfg.ref.param_offload, dtype=getattr(torch, cfg.model.dtype),
+            **model_options(m, "ref.megatron"),
+        )  # fmt: skip
         self.dp_size, self.dp_rank, self.dp_group = data_parallel_info()
 
     @register(Dispatch.DP_COMPUTE)

@@ -1,0 +1,66 @@
+"""A role's megatron memory options reach Megatron: activation recompute is on in the built model and its
+gradients equal the plain model's (recompute changes memory, not numbers); sequence parallelism without
+TransformerEngine is refused in one line instead of failing deep inside Megatron; the optimizer follows
+use_distributed_optimizer."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from tests.mcore import hf_tiny
+from tests.multirank import run_ranks
+
+
+def _body(rank: int, world: int, path: str) -> dict:
+    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.mcore import compute, roles
+    from hybridrl.workers.megatron_workers import model_options
+    from tests.hybrid_engine.test_rollout_parity import _sequences
+
+    init_model_parallel(ParallelLayout.from_world(world, tp=2))
+    seqs = _sequences()
+    grads, configs = {}, {}
+    for name, m in (
+        ("plain", dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None)),
+        ("full", dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
+    ):
+        section = types.SimpleNamespace(sequence_parallel=False, **m)
+        actor = roles.build_actor(path, **model_options(section, "actor.megatron"))
+        for chunk in actor.chunks:
+            chunk.train()
+        compute.forward_backward(actor.chunks, dict(seqs), lambda o, mb: (-o["log_probs"], {}), 1,
+                                 head=compute.LogProbHead(vocab_size=actor.shape.vocab_size))  # fmt: skip
+        grads[name] = {n: p.grad.clone() for n, p in actor.chunks[0].named_parameters()}
+        configs[name] = (actor.config.recompute_granularity, actor.config.recompute_method)
+    diff = max((grads["full"][n] - grads["plain"][n]).abs().max().item() for n in grads["plain"])
+    size = max(g.abs().max().item() for g in grads["plain"].values())
+    return {"configs": configs, "diff": diff, "size": size}
+
+
+@pytest.mark.multirank
+def test_recompute_reaches_megatron_and_keeps_gradients(tmp_path):
+    path = hf_tiny.make_checkpoint("llama", str(tmp_path / "llama"), seed=3)
+    for r in run_ranks(_body, 2, path, timeout=300):
+        assert r["configs"] == {"plain": (None, None), "full": ("full", "uniform")}
+        assert r["size"] > 1e-3 and r["diff"] <= 1e-6 * r["size"], r
+
+
+def test_sequence_parallel_without_transformer_engine_is_refused(monkeypatch):
+    from hybridrl.mcore import gpt
+    from hybridrl.workers.megatron_workers import model_options, optim_config
+
+    monkeypatch.setattr(gpt, "use_transformer_engine", lambda: False)
+    section = types.SimpleNamespace(
+        sequence_parallel=True, recompute_granularity=None, recompute_method=None, recompute_num_layers=None
+    )
+    with pytest.raises(ValueError, match=r"^critic.megatron.sequence_parallel \(true\) needs TransformerEngine"):
+        model_options(section, "critic.megatron")
+    optim = types.SimpleNamespace(lr=1.0, min_lr=0.0, lr_warmup_steps=0, lr_warmup_ratio=0.0, lr_decay_style="constant",
+                                  weight_decay=0.0, betas=(0.9, 0.99), eps=1e-8, clip_grad=1.0)  # fmt: skip
+    chosen = types.SimpleNamespace(use_distributed_optimizer=False)
+    assert optim_config(optim, 10, chosen).use_distributed_optimizer is False
+    auto = types.SimpleNamespace(use_distributed_optimizer=None)
+    assert optim_config(optim, 10, auto).use_distributed_optimizer is torch.cuda.is_available()
