@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import difflib
 import operator
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -32,6 +33,7 @@ from hybridrl.config.schema_roles import (
     LOAD_FORMATS,
     LOSS_AGG_MODES,
     LR_DECAY_STYLES,
+    OPTIM_BACKENDS,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
     ROLLOUT_BACKENDS,
@@ -75,6 +77,21 @@ def _derive_dp(m: MegatronConfig, world: int) -> None:
         m.dp_size = world // model_parallel
 
 
+def _expand_user_paths(cfg: RunConfig) -> None:
+    """``~/...`` in every path field becomes the home folder (the packaged configs use ~/data/...)."""
+
+    def expand(value: Any) -> Any:
+        return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
+
+    for section, name in (
+        (cfg.model, "path"), (cfg.model, "tokenizer_path"), (cfg.critic, "model_path"), (cfg.reward.model, "path"),
+        (cfg.reward.custom, "path"), (cfg.trainer, "default_local_dir"), (cfg.trainer, "resume_from_path"),
+    ):  # fmt: skip
+        setattr(section, name, expand(getattr(section, name)))
+    cfg.data.train_files = [expand(f) for f in cfg.data.train_files]
+    cfg.data.val_files = [expand(f) for f in cfg.data.val_files]
+
+
 def fill_derived(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     """Fill every ``None = ...`` field from the fields it derives from (in place; returns ``cfg``).
 
@@ -82,6 +99,7 @@ def fill_derived(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     """
     world = world_size_of(cfg, world_size)
     model, actor, rollout, critic, ref = cfg.model, cfg.actor, cfg.rollout, cfg.critic, cfg.ref
+    _expand_user_paths(cfg)
     if actor.model_name is None:
         actor.model_name = model.path or f"{model.architecture.model_type or 'model'}-scratch"
     if model.tokenizer_path is None:
@@ -129,6 +147,7 @@ def _choices() -> Iterable[tuple[str, tuple]]:
         yield f"{role}.megatron.recompute_method", (None, *RECOMPUTE_METHODS)
     for role in ("actor", "critic"):
         yield f"{role}.optim.lr_decay_style", LR_DECAY_STYLES
+        yield f"{role}.optim.backend", OPTIM_BACKENDS
 
 
 def _check_choice(key: str, value: Any, allowed: tuple) -> None:

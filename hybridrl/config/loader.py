@@ -225,13 +225,33 @@ def _parse_override(override: str) -> dict:
     if not isinstance(override, str) or "=" not in override or not override.split("=", 1)[0].strip():
         raise ConfigError(f"override {override!r} must look like key=value, e.g. actor.megatron.tp_size=4")
     try:
-        return OmegaConf.to_container(OmegaConf.from_dotlist([override]), resolve=False)
+        parsed = OmegaConf.to_container(OmegaConf.from_dotlist([override]), resolve=False)
     except (yaml.YAMLError, OmegaConfBaseException) as exc:
         first = str(exc).splitlines()[0]
         key = override.split("=", 1)[0].strip()
         raise ConfigError(
             f"override {override!r}: cannot parse the value ({first}); quote it: {key}='...'", key=key
         ) from None
+    return _keep_text(override, parsed)
+
+
+def _keep_text(override: str, parsed: dict) -> dict:
+    """A text field keeps the text as typed: YAML would read experiment_name=007 as 7 and =yes as True."""
+    key, raw = (x.strip() for x in override.split("=", 1))
+    parts = key.split(".")
+    if "[" in key or raw in ("null", "~", "") or raw[:1] in ("'", '"', "[", "{") or "${" in raw:
+        return parsed
+    try:
+        hint = _hint_at(key)
+    except (KeyError, TypeError, IndexError):
+        return parsed
+    if _unwrap_optional(hint)[0] is not str:
+        return parsed
+    node = parsed
+    for part in parts[:-1]:
+        node = node[part]
+    node[parts[-1]] = raw
+    return parsed
 
 
 def _pop_path(data: dict, parts: list[str]) -> tuple[bool, Any]:

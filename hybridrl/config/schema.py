@@ -208,8 +208,9 @@ class TrainerConfig:
     """Checkpoint every this many steps (and after the last step); -1 = never."""
     test_freq: int = -1
     """Validate every this many steps; -1 = never."""
-    val_before_train: bool = False
-    """Run validation once before the first step."""
+    val_before_train: bool = True
+    """Validate once before the first step of each launch (with test_freq > 0 and a validation set); on a
+    resumed run this checks the loaded weights."""
     default_local_dir: str | None = None
     """Checkpoint folder. None = checkpoints/<project_name>/<experiment_name>."""
     resume_mode: str = "auto"

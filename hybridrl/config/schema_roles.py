@@ -15,6 +15,7 @@ ROLLOUT_BACKENDS = ("vllm",)
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 LR_DECAY_STYLES = ("constant", "cosine", "linear")
+OPTIM_BACKENDS = ("auto", "torch", "megatron")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 LOAD_FORMATS = ("dummy", "auto", "safetensors", "pt")
@@ -79,6 +80,10 @@ class OptimConfig:
     """Schedule after warmup: "constant", "cosine" or "linear" (down to min_lr)."""
     min_lr: float = 0.0
     """Final learning rate of "cosine" / "linear" decay; at most lr."""
+    backend: str = "auto"
+    """Optimizer path: "megatron" (Megatron DDP + its optimizer; DistributedOptimizer per megatron's
+    use_distributed_optimizer), "torch" (AdamW + hybridrl's DP/TP reductions, fp32 only), "auto" = megatron
+    with CUDA, torch without. Megatron's path also runs on CPU with use_distributed_optimizer false."""
 
 
 @dataclass

@@ -370,8 +370,8 @@ def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 def move_optimizer_state(optimizer: Any, device: torch.device | str) -> int:
     """Move the optimizer's own tensors to ``device``: Adam moments and fp32 master weights (the inner
-    optimizers' parameters that are not the model's parameters or views of them); to the CPU also drop the
-    gradients, back on the model's device restore them (zeroed). Returns the bytes moved or freed.
+    optimizers' parameters that are not the model's parameters or views of them); away from the model's
+    device also drop the gradients, back on it restore them (zeroed). Returns the bytes moved or freed.
 
     Used around generation (``actor.optimizer_offload``): the KV cache gets the memory the optimizer holds
     between updates. Gradients: plain ``.grad`` is dropped; Megatron DDP's contiguous grad buffers are freed
@@ -384,7 +384,7 @@ def move_optimizer_state(optimizer: Any, device: torch.device | str) -> int:
     model = {p.untyped_storage().data_ptr() for p in params}
     home = params[0].device if params else target
     away = target.type != home.type or (None not in (target.index, home.index) and target.index != home.index)
-    offload = target.type == "cpu" or away  # away from the model's device
+    offload = away  # away from the model's device (on a CPU model "cpu" is home: nothing leaves)
     ddp = [c for c in chunks if hasattr(c, "offload_grad_buffers")]
     moved = 0
     if offload:
@@ -417,3 +417,31 @@ def move_optimizer_state(optimizer: Any, device: torch.device | str) -> int:
 def _grad_bytes(buffer: Any) -> int:
     grad = getattr(buffer, "grad_data", None)
     return 0 if grad is None else grad.untyped_storage().nbytes()
+
+
+def move_model_weights(optimizer: Any, model: Any, to_host: bool) -> None:
+    """Park a trainable role's weights in host memory (``to_host``) or bring them back.
+
+    Under Megatron DDP with the DistributedOptimizer the weights are views of DDP's contiguous param buffers
+    (it gathers into them): those buffers are copied out and their storage freed / re-grown in place
+    (``offload_to_cpu`` / ``reload_from_cpu``), so every view stays valid. Otherwise the
+    :class:`~hybridrl.mcore.roles.RoleModel` moves its parameters itself. Weights on the CPU stay put.
+    """
+    if all(p.device.type == "cpu" for p in model.parameters()):
+        return  # host memory already (and DDP's CPU "copy" would share the storage it then frees)
+    ddp = [c for c in getattr(optimizer, "chunks", []) if hasattr(c, "buffers") and hasattr(c, "offload_grad_buffers")]
+    buffers = [b for chunk in ddp for b in chunk.buffers + chunk.expert_parallel_buffers]
+    if not buffers or any(b.param_data is None for b in buffers):  # weights are not views of DDP buffers
+        model.offload() if to_host else model.onload()
+        return
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    for buffer in buffers:
+        if to_host:
+            buffer.offload_to_cpu(move_params=True, move_grads=False)
+        else:
+            buffer.reload_from_cpu(move_params=True, move_grads=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        if to_host:
+            torch.cuda.empty_cache()

@@ -210,7 +210,7 @@ class RLTrainer:
     def fit(self) -> list[dict[str, float]]:
         """Train for ``trainer.total_steps`` steps; validate every ``trainer.test_freq`` (and before/after)."""
         t, history = self.cfg.trainer, []
-        if t.test_freq > 0 and self.val_dataset is not None:
+        if t.val_before_train and t.test_freq > 0 and self.val_dataset is not None:
             first = self.validate()  # before training, or on the resumed weights
             self.tracker.log(first, step=self.step)
             history.append(first)

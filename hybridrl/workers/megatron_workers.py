@@ -23,7 +23,7 @@ from hybridrl.algos.kl import kl_penalty
 from hybridrl.algos.losses import entropy_bonus, ppo_clip_loss, value_loss
 from hybridrl.config import RunConfig
 from hybridrl.mcore import compute, roles
-from hybridrl.mcore.optimizer import OptimConfig, build_optimizer, move_optimizer_state
+from hybridrl.mcore.optimizer import OptimConfig, build_optimizer, move_model_weights, move_optimizer_state
 from hybridrl.mcore.parallel_state import data_parallel_info, rollout_replica_info
 from hybridrl.protocol import DataProto
 from hybridrl.workers.dispatch import Dispatch, register
@@ -75,6 +75,7 @@ def optim_config(section: Any, total_steps: int, megatron: Any = None) -> OptimC
         betas=tuple(section.betas),
         eps=section.eps,
         clip_grad=section.clip_grad,
+        backend=section.backend,
         use_distributed_optimizer=(
             torch.cuda.is_available()
             if megatron is None or megatron.use_distributed_optimizer is None
@@ -188,7 +189,14 @@ class ActorRolloutWorker(_TrainedRole):
         offload = self.cfg.actor.optimizer_offload
         if offload:
             moved = move_optimizer_state(self.optimizer, "cpu")
+        # the switch has run and vLLM holds its own copy; where vLLM aliases the training tensors (CPU, eager GPU
+        # without sleep mode) they must stay where they are
+        park = self.cfg.actor.param_offload and not self.rollout.can_alias
+        if park:
+            move_model_weights(self.optimizer, self.model, to_host=True)
         out = self.rollout.generate(prompts, **sampling)
+        if park:
+            move_model_weights(self.optimizer, self.model, to_host=False)
         if self.cfg.rollout.free_cache_engine and self.rollout.sleep_mode:
             self.rollout.sleep(level=2)  # KV cache and weights freed for training; the next switch pushes all
             self.weights_version = -1
@@ -238,8 +246,9 @@ class ActorRolloutWorker(_TrainedRole):
         keys = (*COMPUTE_KEYS, "old_log_probs", "advantages", *(("ref_log_probs",) if a.use_kl_loss else ()))
 
         def step(mini: DataProto):
+            # the optimizer's chunks: DDP-wrapped on the Megatron path (its grad sync, DP loss scaling)
             return compute.forward_backward(
-                self.model.chunks, _tensors(mini, keys), loss_fn, a.ppo_micro_batch_size_per_gpu, head=head,
+                self.optimizer.chunks, _tensors(mini, keys), loss_fn, a.ppo_micro_batch_size_per_gpu, head=head,
                 loss_agg_mode=a.loss_agg_mode,
             )  # fmt: skip
 
@@ -263,8 +272,24 @@ class CriticWorker(_TrainedRole):
         self._setup_dp()
         self.version = 0
 
+    def _bring_back(self) -> None:
+        """critic.param_offload / optimizer_offload: the critic sleeps in host memory between its updates."""
+        c = self.cfg.critic
+        if c.param_offload:
+            move_model_weights(self.optimizer, self.model, to_host=False)
+        if c.optimizer_offload:
+            move_optimizer_state(self.optimizer, next(iter(self.model.parameters())).device)
+
+    def _park(self) -> None:
+        c = self.cfg.critic
+        if c.optimizer_offload:
+            move_optimizer_state(self.optimizer, "cpu")
+        if c.param_offload:
+            move_model_weights(self.optimizer, self.model, to_host=True)
+
     @register(Dispatch.DP_COMPUTE)
     def compute_values(self, data: DataProto) -> DataProto:
+        self._bring_back()
         mbs = self.cfg.critic.ppo_micro_batch_size_per_gpu
         values = compute.compute_values(self.model.chunks, _tensors(data, COMPUTE_KEYS), mbs)
         return DataProto.from_dict(tensors={"values": values})
@@ -282,13 +307,16 @@ class CriticWorker(_TrainedRole):
         keys = (*COMPUTE_KEYS, "values", "returns")
 
         def step(mini: DataProto):
+            # the optimizer's chunks: DDP-wrapped on the Megatron path (its grad sync, DP loss scaling)
             return compute.forward_backward(
-                self.model.chunks, _tensors(mini, keys), loss_fn, c.ppo_micro_batch_size_per_gpu,
+                self.optimizer.chunks, _tensors(mini, keys), loss_fn, c.ppo_micro_batch_size_per_gpu,
                 head=compute.ValuesHead(), loss_agg_mode=self.cfg.actor.loss_agg_mode,
             )  # fmt: skip
 
+        self._bring_back()
         metrics = self._train(data.select(keys), c.ppo_mini_batch_size, c.ppo_epochs, self.version, step)
         self.version += 1
+        self._park()
         return DataProto(meta_info={"metrics": {f"critic/{k}": v for k, v in metrics.items()}})
 
 

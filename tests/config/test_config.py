@@ -391,3 +391,21 @@ def test_every_field_has_a_docstring(module):
                 assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant), (
                     f"{cls.name}.{node.target.id} has no docstring"
                 )
+
+
+def test_text_overrides_stay_text_and_home_paths_expand(monkeypatch, tmp_path):
+    """YAML would read experiment_name=007 as 7 and =yes as True; a text field keeps what was typed. ``~`` in path
+    fields is the home folder (the packaged configs use ~/data/...)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for typed in ("007", "1e3", "yes", "off"):
+        assert (
+            load_config("tiny_cpu.yaml", [f"trainer.experiment_name={typed}"], world_size=2).trainer.experiment_name
+            == typed
+        )
+    cfg = load_config(
+        "tiny_cpu.yaml", ["data.train_files=[~/data/a.jsonl]", "trainer.default_local_dir=~/runs/x"], world_size=2
+    )
+    assert (
+        cfg.data.train_files == [f"{tmp_path}/data/a.jsonl"] and cfg.trainer.default_local_dir == f"{tmp_path}/runs/x"
+    )
+    assert load_config("tiny_cpu.yaml", ["rollout.temperature=0.5"], world_size=2).rollout.temperature == 0.5

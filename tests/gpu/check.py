@@ -318,6 +318,27 @@ def section_train(report: Report, device: torch.device, dry: bool) -> dict:
         seconds=offload_s, loss_after=out.loss, loss_before=losses[-1],
     )  # fmt: skip
     result["optimizer_offload"] = {"moved_bytes": moved, "freed_bytes": freed, "seconds": offload_s}
+    # actor.param_offload around generation: the weights leave through DDP's param buffers (views kept valid)
+    from hybridrl.mcore.optimizer import move_model_weights
+
+    weights = [p for c in chunks for p in c.parameters()]
+
+    class _Weights:  # what move_model_weights reads of a RoleModel
+        def parameters(self):
+            return iter(weights)
+
+    sync()
+    held = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    move_model_weights(optim, _Weights(), to_host=True)
+    sync()
+    weights_freed = held - torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    move_model_weights(optim, _Weights(), to_host=False)
+    optim.zero_grad()
+    again = compute.forward_backward(optim.chunks, batch, loss_fn, mbs)
+    n_weight_bytes = sum(p.numel() * p.element_size() for p in weights)
+    ok = (dry or weights_freed >= 0.9 * n_weight_bytes) and abs(again.loss - out.loss) <= 0.1 * abs(out.loss)
+    report.check("train.param_offload", ok, freed_gib=weights_freed / 2**30, weights_gib=n_weight_bytes / 2**30,
+                 loss_after=again.loss)  # fmt: skip
     log(f"  optimizer offload: {moved / 2**30:.2f} GiB moved, {freed / 2**30:.2f} GiB freed, out+back {offload_s:.2f}s")
     log(
         f"  tokens/s {tok_s:,.0f}  step {mean_t:.3f}s  MFU {100 * mfu:.1f}% (vs 989 TFLOP/s bf16 dense)"

@@ -97,3 +97,14 @@ def test_remax_two_steps(tmp_path):
     )  # fmt: skip
     _check(history, critic=False)
     assert all(h["timing_s/remax_baseline"] > 0 for h in history if h["step"] > 0)
+
+
+def test_ppo_on_megatrons_optimizer(tmp_path):
+    """The GPU optimizer path (Megatron DDP + its optimizer, without the distributed optimizer) on CPU: training
+    runs through the DDP-wrapped chunks (grad sync, DP loss scaling) and the weights reach vLLM. Offload flags on:
+    actor weights parked in DDP's buffers around generation, critic weights and optimizer outside its update."""
+    history = _train(
+        tmp_path, "actor.optim.backend=megatron", "critic.optim.backend=megatron", "actor.param_offload=true",
+        "critic.param_offload=true", "critic.optimizer_offload=true", "actor.optimizer_offload=true",
+    )  # fmt: skip
+    _check(history, critic=True)
