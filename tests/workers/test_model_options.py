@@ -58,8 +58,9 @@ def test_sequence_parallel_without_transformer_engine_is_refused(monkeypatch):
     )
     with pytest.raises(ValueError, match=r"^critic.megatron.sequence_parallel \(true\) needs TransformerEngine"):
         model_options(section, "critic.megatron")
-    optim = types.SimpleNamespace(lr=1.0, min_lr=0.0, lr_warmup_steps=0, lr_warmup_ratio=0.0, lr_decay_style="constant",
-                                  weight_decay=0.0, betas=(0.9, 0.99), eps=1e-8, clip_grad=1.0)  # fmt: skip
+    from hybridrl.config.schema_roles import OptimConfig as OptimSection
+
+    optim = OptimSection(lr=1.0)
     chosen = types.SimpleNamespace(use_distributed_optimizer=False)
     assert optim_config(optim, 10, chosen).use_distributed_optimizer is False
     auto = types.SimpleNamespace(use_distributed_optimizer=None)
