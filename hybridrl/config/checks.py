@@ -173,6 +173,7 @@ _POSITIVE = (
     "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs", "ref.log_prob_micro_batch_size_per_gpu",
     "rollout.n", "rollout.tp_size", "rollout.val.n", "rollout.response_length", "rollout.max_model_len",
     "reward.model.micro_batch_size_per_gpu", "resources.max_colocate_count", "rollout.sync_bucket_mb",
+    "trainer.max_bad_steps",
 )  # fmt: skip
 _POSITIVE_OR_NULL = (
     "trainer.total_steps", "trainer.max_ckpt_to_keep", "data.val_batch_size", "rollout.max_num_seqs",

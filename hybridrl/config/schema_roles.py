@@ -106,7 +106,7 @@ class ActorConfig:
     ppo_epochs: int = 1
     """Passes over each step's rollout batch."""
     shuffle: bool = True
-    """Shuffle responses between mini-batches."""
+    """Shuffle responses between mini-batches (each PPO epoch draws a new order); false keeps rollout order."""
     clip_ratio_low: float = 0.2
     """PPO clip: ratio >= 1 - clip_ratio_low (Schulman et al. 2017, eq. 7)."""
     clip_ratio_high: float = 0.2
@@ -114,8 +114,7 @@ class ActorConfig:
     clip_ratio_c: float = 3.0
     """Dual-clip lower bound for negative advantages (Ye et al. 2020); must be > 1."""
     loss_agg_mode: str = "token-mean"
-    """How token losses become one number: "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-    "seq-mean-token-sum-norm"."""
+    """How token losses become one number: "token-mean", "seq-mean-token-sum", "seq-mean-token-mean"."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus (0 = off)."""
     use_kl_loss: bool = False
@@ -123,7 +122,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
-    """KL estimator of the loss: "kl"/"k1", "abs", "mse"/"k2", "low_var_kl"/"k3", "full"."""
+    """KL estimator of the loss: "kl"/"k1", "abs", "mse"/"k2", "low_var_kl"/"k3"."""
     param_offload: bool = False
     """Offload actor weights to CPU while they are not needed (rollout phase)."""
     optimizer_offload: bool = False

@@ -77,6 +77,8 @@ class RLTrainer:
         self.ckpt = CheckpointManager(cfg.trainer)
         if not self.ckpt.maybe_resume(self):
             self.tracker.start_fresh()
+        else:
+            self.tracker.resumed_at(self.step)
 
     # ---- stages ------------------------------------------------------------------------------------------
     def _rollout(self, prompts: DataProto, **sampling: Any) -> tuple[DataProto, dict[str, float]]:

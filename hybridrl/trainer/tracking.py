@@ -81,7 +81,7 @@ class Tracker:
             raise ValueError(f"trainer.loggers has {unknown}; valid: {', '.join(VALID_LOGGERS)}")
         self.active = rank == 0
         self.loggers, self.log_dir, self.total_steps = list(loggers), log_dir, total_steps
-        self._start = time.perf_counter()
+        self._start, self._start_step = time.perf_counter(), 0
         self._jsonl = self._tb = self._wandb = None
         if not self.active:
             return
@@ -121,8 +121,10 @@ class Tracker:
         parts = [f"step {step}"]
         if self.total_steps:
             done = min(step, self.total_steps) / self.total_steps
+            ran = max(min(step, self.total_steps) - self._start_step, 0)  # steps of this launch
+            left = self.total_steps - min(step, self.total_steps)
             elapsed = time.perf_counter() - self._start
-            eta = elapsed / done - elapsed if done else float("nan")
+            eta = elapsed / ran * left if ran else float("nan")
             bar = "#" * int(20 * done)
             parts = [f"[{bar:<20s}] {step}/{self.total_steps} eta {eta:5.0f}s"]
         parts += [
@@ -135,6 +137,21 @@ class Tracker:
         if self._jsonl is not None:
             self._jsonl.seek(0)
             self._jsonl.truncate()
+
+    def resumed_at(self, step: int) -> None:
+        """A run resumed from the checkpoint of ``step``: JSONL rows of later steps (logged after that checkpoint,
+        before the crash) are dropped, since the resumed run logs those steps again; the ETA counts from here."""
+        self._start, self._start_step = time.perf_counter(), step
+        if self._jsonl is None:
+            return
+        self._jsonl.flush()
+        path = self._jsonl.name
+        with open(path, encoding="utf-8") as f:
+            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        self._jsonl.seek(0)
+        self._jsonl.truncate()
+        self._jsonl.writelines(kept)
+        self._jsonl.flush()
 
     def close(self) -> None:
         if self._jsonl is not None:

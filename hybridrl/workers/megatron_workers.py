@@ -102,10 +102,12 @@ class _TrainedRole:
     def _setup_dp(self) -> None:
         self.dp_size, self.dp_rank, self.dp_group = data_parallel_info()
 
-    def _train(self, data: DataProto, mini_batch: int, epochs: int, seed: int, step_fn) -> dict[str, float]:
+    def _train(
+        self, data: DataProto, mini_batch: int, epochs: int, seed: int, step_fn, shuffle: bool = True
+    ) -> dict[str, float]:
         local = mini_batch // self.dp_size
         results = []
-        for mini in data.make_iterator(local, epochs=epochs, shuffle=True, seed=seed):
+        for mini in data.make_iterator(local, epochs=epochs, shuffle=shuffle, seed=seed):
             self.optimizer.zero_grad()
             out = step_fn(mini)
             res = self.optimizer.step()
@@ -252,7 +254,7 @@ class ActorRolloutWorker(_TrainedRole):
                 loss_agg_mode=a.loss_agg_mode,
             )  # fmt: skip
 
-        metrics = self._train(data.select(keys), a.ppo_mini_batch_size, a.ppo_epochs, self.version, step)
+        metrics = self._train(data.select(keys), a.ppo_mini_batch_size, a.ppo_epochs, self.version, step, a.shuffle)
         metrics["param_norm"] = _param_norm(self.model.parameters())
         self.version += 1
         return DataProto(meta_info={"metrics": {f"actor/{k}": v for k, v in metrics.items()}})
@@ -314,7 +316,9 @@ class CriticWorker(_TrainedRole):
             )  # fmt: skip
 
         self._bring_back()
-        metrics = self._train(data.select(keys), c.ppo_mini_batch_size, c.ppo_epochs, self.version, step)
+        metrics = self._train(
+            data.select(keys), c.ppo_mini_batch_size, c.ppo_epochs, self.version, step, self.cfg.actor.shuffle
+        )
         self.version += 1
         self._park()
         return DataProto(meta_info={"metrics": {f"critic/{k}": v for k, v in metrics.items()}})

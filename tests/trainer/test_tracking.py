@@ -35,3 +35,18 @@ def test_non_zero_rank_writes_nothing(tmp_path):
 def test_unknown_logger():
     with pytest.raises(ValueError, match=r"trainer.loggers has \['mlflow'\]; valid: console, jsonl"):
         Tracker(["mlflow"], "/tmp/unused")
+
+
+def test_resume_drops_rows_after_the_checkpoint(tmp_path):
+    """Steps logged after the last checkpoint (and before a crash) are logged again by the resumed run: their old
+    rows go, so every step has one row."""
+    first = Tracker(["jsonl"], str(tmp_path), total_steps=6)
+    for step in range(6):
+        first.log({"x": float(step)}, step=step)
+    first.close()
+    resumed = Tracker(["jsonl"], str(tmp_path), total_steps=6)
+    resumed.resumed_at(3)
+    resumed.log({"x": 40.0}, step=4)
+    resumed.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["x"]) for r in rows] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
