@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from hybridrl.cli import main
 
 
@@ -66,3 +68,23 @@ def test_total_steps_from_epochs():
     assert resolve_total_steps(cfg, 10 * cfg.data.train_batch_size + 3) == 15 * 10
     cfg = load_config("tiny_cpu.yaml")  # an explicit total_steps wins
     assert resolve_total_steps(cfg, 10_000) == cfg.trainer.total_steps
+
+
+def test_model_paths_resolve_folders_and_explain_hub_failures(tmp_path, monkeypatch):
+    """A local folder is used as is; a path that is neither a folder nor a hub name, and a hub name that cannot
+    be downloaded (offline here), fail in one line naming the key and the fix."""
+    from hybridrl.trainer.main import resolve_checkpoint
+
+    assert resolve_checkpoint(str(tmp_path), "model.path") == str(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"^model.path \('\./nope'\) is not a folder; set it to a local"):
+        resolve_checkpoint("./nope", "model.path")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError) as failed:
+        resolve_checkpoint("hybridrl-tests/no-such-model", "critic.model_path")
+    message = str(failed.value)
+    assert "\n" not in message and message.startswith(
+        "critic.model_path ('hybridrl-tests/no-such-model') is not a local folder and downloading it from"
+    )
+    assert message.endswith(
+        "(huggingface-cli download hybridrl-tests/no-such-model --local-dir DIR) and set critic.model_path=DIR"
+    )

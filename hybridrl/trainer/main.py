@@ -9,6 +9,7 @@ tokenizer (the demo task when ``data.demo_task``) -> role workers -> ``fit()``.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import torch.distributed as dist
@@ -33,8 +34,49 @@ def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
         return model_path, tokenizer, [os.path.join(out, "train.parquet")], [os.path.join(out, "val.parquet")]
     if cfg.model.path is None:
         raise ValueError("model.path is null and data.demo_task is false; set model.path to an HF checkpoint folder")
+    cfg.model.path = resolve_checkpoint(cfg.model.path, "model.path")
+    if cfg.model.tokenizer_path is not None:
+        cfg.model.tokenizer_path = resolve_checkpoint(cfg.model.tokenizer_path, "model.tokenizer_path")
+    if cfg.critic.model_path is not None:
+        cfg.critic.model_path = resolve_checkpoint(cfg.critic.model_path, "critic.model_path")
+    if cfg.reward.model.enable and cfg.reward.model.path is not None:
+        cfg.reward.model.path = resolve_checkpoint(cfg.reward.model.path, "reward.model.path")
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
     return cfg.model.path, tokenizer, list(cfg.data.train_files), list(cfg.data.val_files)
+
+
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "tokenizer*"]
+
+
+def resolve_checkpoint(path: str, key: str) -> str:
+    """A local folder as is; a Hugging Face Hub name (``org/name``, no such folder here) is downloaded once
+    (rank 0 first, the other ranks then read the cache) and its snapshot folder returned. Collective when it
+    downloads. Errors name the key and the fix in one line."""
+    if os.path.isdir(path):
+        return path
+    if not HUB_NAME.fullmatch(path):
+        raise FileNotFoundError(f"{key} ({path!r}) is not a folder; set it to a local Hugging Face model folder")
+    from huggingface_hub import snapshot_download
+
+    def fetch(offline: bool) -> str:
+        return snapshot_download(repo_id=path, allow_patterns=HUB_FILES, local_files_only=offline)
+
+    error: list[str | None] = [None]
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        try:
+            fetch(offline=False)
+        except Exception as exc:  # offline, unknown repo, gated model, no disk: all end the same way
+            error[0] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    if dist.is_initialized():
+        dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise ValueError(
+            f"{key} ({path!r}) is not a local folder and downloading it from the Hugging Face Hub failed "
+            f"({error[0]}); download it first (huggingface-cli download {path} --local-dir DIR) and set {key}=DIR"
+        )
+    return fetch(offline=True)
 
 
 def check_reward_sources(reward: Any, train_ds: Any, val_ds: Any | None) -> None:
