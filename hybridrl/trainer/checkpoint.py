@@ -120,6 +120,7 @@ class CheckpointManager:
             "kl_ctrl": dict(vars(trainer.kl_ctrl)),
             "versions": {name: group.worker.version for name, group in self._roles(trainer)},
             "tracker": tracker,
+            "bad_steps": trainer.bad_steps,  # consecutive NaN/Inf steps: a resume must not reset the count
         }
 
     # ---- resume --------------------------------------------------------------------------------------------
@@ -149,6 +150,7 @@ class CheckpointManager:
         trainer.step = int(state["step"])
         trainer.loader.load_state_dict(state["loader"])
         vars(trainer.kl_ctrl).update(state["kl_ctrl"])
+        trainer.bad_steps = int(state.get("bad_steps", 0))
         for name, group in self._roles(trainer):
             group.worker.version = state["versions"].get(name, trainer.step)
         if state.get("tracker") is not None and hasattr(trainer.tracker, "load_state_dict"):

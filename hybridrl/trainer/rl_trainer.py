@@ -198,16 +198,23 @@ class RLTrainer:
         return out
 
     def validate(self) -> dict[str, float]:
-        """Greedy (``rollout.val``) responses on the whole validation set: mean reward."""
+        """``rollout.val`` responses (greedy by default) on the whole validation set, ``data.val_batch_size``
+        prompts at a time (None: all at once): mean reward."""
         if self.val_dataset is None:
             return {}
         from hybridrl.data.dataset import collate
 
-        v = self.cfg.rollout.val
-        prompts = collate([self.val_dataset[i] for i in range(len(self.val_dataset))])
-        batch, _ = self._rollout(prompts, n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k)
-        scores, _ = self._score(batch)
-        return {"val/reward/mean": float(scores.sum(1).mean()), "val/n": float(len(batch))}
+        v, ds = self.cfg.rollout.val, self.val_dataset
+        size = self.cfg.data.val_batch_size or len(ds)
+        total, count = 0.0, 0
+        for start in range(0, len(ds), size):
+            prompts = collate([ds[i] for i in range(start, min(start + size, len(ds)))])
+            seed = self.cfg.rollout.seed + (self.step * len(ds) + start) * v.n  # each prompt its own seeds
+            batch, _ = self._rollout(prompts, n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
+                                     seed=seed)  # fmt: skip
+            scores, _ = self._score(batch)
+            total, count = total + float(scores.sum()), count + len(batch)
+        return {"val/reward/mean": total / count, "val/n": float(count)}
 
     def fit(self) -> list[dict[str, float]]:
         """Train for ``trainer.total_steps`` steps; validate every ``trainer.test_freq`` (and before/after)."""

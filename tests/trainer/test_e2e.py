@@ -69,7 +69,7 @@ def test_grpo_two_steps(tmp_path):
     history = _train(
         tmp_path, "algorithm.adv_estimator=grpo", "rollout.n=2", "critic.enable=false", "actor.use_kl_loss=true",
         "algorithm.use_kl_in_reward=false", "actor.ppo_mini_batch_size=8", "rollout.weight_sync=hf",
-        "actor.optimizer_offload=true", "ref.param_offload=true",
+        "actor.optimizer_offload=true", "ref.param_offload=true", "data.val_batch_size=5",
     )  # fmt: skip
     _check(history, critic=False)  # the "hf" push (vLLM's own loader) also carries the update, and the offload
     # flags' paths (optimizer state out and back around generation, reference weights parked) keep training right
