@@ -88,3 +88,38 @@ def test_model_paths_resolve_folders_and_explain_hub_failures(tmp_path, monkeypa
     assert message.endswith(
         "(huggingface-cli download hybridrl-tests/no-such-model --local-dir DIR) and set critic.model_path=DIR"
     )
+
+
+def test_architecture_overrides_make_a_linked_model_folder(tmp_path):
+    """model.architecture fields next to model.path override its config.json: a new folder with the edited
+    config and links to the same weights; nothing to override gives the checkpoint folder itself."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from hybridrl.config.schema import ArchitectureConfig
+    from hybridrl.mcore import hf_config
+    from hybridrl.trainer.main import apply_architecture_overrides
+    from tests.mcore import hf_tiny
+
+    path = hf_tiny.make_checkpoint("llama", str(tmp_path / "ckpt"), seed=0)
+    original = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    theta = original["rope_parameters"]["rope_theta"]  # transformers 5 layout
+    same = ArchitectureConfig(rope_theta=theta, model_type="llama", max_position_embeddings=16384)
+    assert apply_architecture_overrides(same, path, str(tmp_path / "out")) == path
+    wanted = ArchitectureConfig(rope_theta=12345.0, max_position_embeddings=4096)
+    out = apply_architecture_overrides(wanted, path, str(tmp_path / "out"))
+    edited = json.loads((tmp_path / "out" / "config.json").read_text())
+    rope = {**original["rope_parameters"], "rope_theta": 12345.0}
+    assert out == str(tmp_path / "out") and edited == {
+        **original,
+        "max_position_embeddings": 4096,
+        "rope_parameters": rope,
+    }
+    hf = hf_config.load_hf_config(out)  # what every role and the vLLM engine read
+    assert hf.max_position_embeddings == 4096 and hf_config._rope(hf)[0] == 12345.0
+    weights = sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors"))
+    assert weights and all((tmp_path / "out" / w).is_symlink() for w in weights)
+    for w in weights:
+        a, b = load_file(tmp_path / "ckpt" / w), load_file(tmp_path / "out" / w)
+        assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)

@@ -8,8 +8,11 @@ tokenizer (the demo task when ``data.demo_task``) -> role workers -> ``fit()``.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
+import shutil
 from typing import Any
 
 import torch.distributed as dist
@@ -35,6 +38,8 @@ def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
     if cfg.model.path is None:
         raise ValueError("model.path is null and data.demo_task is false; set model.path to an HF checkpoint folder")
     cfg.model.path = resolve_checkpoint(cfg.model.path, "model.path")
+    overridden = os.path.join(cfg.trainer.default_local_dir, "model_with_overrides")
+    cfg.model.path = apply_architecture_overrides(cfg.model.architecture, cfg.model.path, overridden)
     if cfg.model.tokenizer_path is not None:
         cfg.model.tokenizer_path = resolve_checkpoint(cfg.model.tokenizer_path, "model.tokenizer_path")
     if cfg.critic.model_path is not None:
@@ -43,6 +48,39 @@ def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
         cfg.reward.model.path = resolve_checkpoint(cfg.reward.model.path, "reward.model.path")
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
     return cfg.model.path, tokenizer, list(cfg.data.train_files), list(cfg.data.val_files)
+
+
+def apply_architecture_overrides(architecture: Any, path: str, out: str) -> str:
+    """``model.architecture`` fields given next to a ``model.path`` override its config.json: a folder ``out``
+    holding the edited config.json and links to every other file of ``path`` (weights are not copied) is
+    made by rank 0 and returned; ``path`` itself when nothing differs. A field that changes a weight's shape
+    then fails at load with the loader's one-line error naming the tensor."""
+    wanted = {k: v for k, v in dataclasses.asdict(architecture).items() if v is not None}
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    rope = config.get("rope_parameters")
+    if "rope_theta" in wanted and isinstance(rope, dict):  # transformers 5 keeps the RoPE base in rope_parameters
+        theta = wanted.pop("rope_theta")
+        if rope.get("rope_theta") != theta:
+            wanted["rope_parameters"] = {**rope, "rope_theta": theta}
+    changed = {k: v for k, v in wanted.items() if config.get(k) != v}
+    if not changed:
+        return path
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp = out + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        for name in os.listdir(path):
+            if name != "config.json":
+                os.symlink(os.path.abspath(os.path.join(path, name)), os.path.join(tmp, name))
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+            json.dump({**config, **changed}, f, indent=2)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        print(f"[hybridrl] model.architecture overrides {sorted(changed)} of {path}: using {out}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return out
 
 
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
