@@ -78,7 +78,10 @@ def test_model_paths_resolve_folders_and_explain_hub_failures(tmp_path, monkeypa
     assert resolve_checkpoint(str(tmp_path), "model.path") == str(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"^model.path \('\./nope'\) is not a folder; set it to a local"):
         resolve_checkpoint("./nope", "model.path")
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at call time: no network tried
     with pytest.raises(ValueError) as failed:
         resolve_checkpoint("hybridrl-tests/no-such-model", "critic.model_path")
     message = str(failed.value)
