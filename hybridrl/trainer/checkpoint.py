@@ -102,6 +102,10 @@ class CheckpointManager:
         return final
 
     def _prune(self) -> None:
+        # half-written saves of crashed runs (never resumed from): a complete, newer checkpoint now exists
+        for name in os.listdir(self.root):
+            if re.fullmatch(r"global_step_\d+\.tmp", name):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         keep = self.cfg.max_ckpt_to_keep
         if keep is None or keep <= 0:
             return

@@ -4,7 +4,8 @@ Three launches of tiny_cpu.yaml with a checkpoint after every step: an uninterru
 whose rank 1 SIGKILLs itself in the middle of step 3 (``HYBRIDRL_TEST_KILL_AT_STEP``, after the critic
 update); and its relaunch with ``resume_mode=auto``, which must continue from ``global_step_2`` and log
 step-3 losses and grad norms equal to the reference's (1e-6). Also: a ``.tmp`` folder left by a crash
-during a save is ignored, and ``max_ckpt_to_keep=1`` keeps only the newest checkpoint.
+during a save is ignored (and removed once a newer checkpoint completes), and ``max_ckpt_to_keep=1`` keeps only
+the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def test_resume_after_kill_is_exact(tmp_path):
     resumed = _train(run, "trainer.max_ckpt_to_keep=1")
     assert resumed.returncode == 0, (resumed.stdout)[-4000:]
     assert f"resumed from {run / 'global_step_2'} (step 2)" in resumed.stdout
-    assert _steps(run) == ["global_step_3", "global_step_7.tmp"]
+    assert _steps(run) == ["global_step_3"]  # the crashed half-save went once a newer checkpoint completed
     expected, got = _metrics(ref), _metrics(run)
     for step in (1, 2, 3):
         for key in KEYS:
