@@ -99,7 +99,7 @@ def explain_start_error(message: str, utilization: float) -> str | None:
     """A one-line fix for vLLM's start-up memory refusal (``request_memory``: the fraction
     ``gpu_memory_utilization`` of the whole device must be free when the engine starts, and the colocated
     Megatron models, optimizer and gradients already hold part of it); None for other errors."""
-    if "GPU memory utilization" not in message and "desired GPU memory utilization" not in message:
+    if "GPU memory utilization" not in message:
         return None
     free = re.search(r"\(([\d.]+)/([\d.]+) GiB\) on startup", message)
     suggestion = ""
