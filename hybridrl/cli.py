@@ -65,8 +65,18 @@ def cmd_validate_config(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.megatron.tp_size=4")
     parser.add_argument("--world-size", type=int, default=None, help="default: trainer.nnodes * n_gpus_per_node")
     parser.add_argument("--quiet", action="store_true", help="print only the layouts and the memory estimate")
-    parser.add_argument("--device-gib", type=float, default=141.0, help="device memory for the estimate (H200: 141)")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--device-gib",
+        type=float,
+        default=None,
+        help="memory of one GPU for the estimate (H100: 80, H200: 141); default: none (CPU, or GPU of unknown size)",
+    )
+    args = parser.parse_intermixed_args(argv)  # options before or after the overrides
+    if args.device_gib is not None and args.device_gib <= 0:
+        print(
+            f"--device-gib ({args.device_gib:g}) must be > 0: one GPU's memory in GiB; omit it for CPU", file=sys.stderr
+        )
+        return 2
     try:
         cfg = load_config(args.config, args.overrides, world_size=args.world_size)
     except ConfigError as err:

@@ -42,21 +42,11 @@ def test_python_dash_m_entry():
     assert result.returncode == 2 and "unknown command 'frobnicate'" in result.stderr
 
 
-def test_memory_estimate(capsys):
-    from hybridrl.config import load_config
-    from hybridrl.config.memory import architecture, estimate, per_rank_params
-
-    cfg = load_config("ppo_llama2_7b.yaml")
-    arch = architecture(cfg)
-    layers, embed = arch.params()
-    assert round((layers + embed) / 1e9, 2) == 6.74  # Llama-2-7B's published parameter count
-    n = per_rank_params(arch, 2, 1)
-    est = estimate(cfg)
-    assert abs(est["actor weights"] - n * 2 / 2**30) < 1e-9  # bf16
-    assert abs(est["actor optimizer"] - n * 12 / cfg.actor.megatron.dp_size / 2**30) < 1e-9  # distributed optimizer
-    assert main(["validate-config", "ppo_llama3_70b_multinode.yaml", "--quiet"]) == 0
+def test_memory_estimate_is_printed(capsys):
+    """validate-config ends with the estimate (its numbers: tests/config/test_memory.py)."""
+    assert main(["validate-config", "ppo_llama3_70b_multinode.yaml", "--quiet", "--device-gib", "80"]) == 0
     out = capsys.readouterr().out
-    assert "model 70.55B params" in out and "critic" in out
+    assert "memory per rank in GiB, GPU with 80 GiB; model 70.55B params" in out and "critic weights" in out
 
 
 def test_total_steps_from_epochs():

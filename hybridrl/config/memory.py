@@ -1,15 +1,21 @@
 """A per-rank memory estimate of a run config, printed by ``hybridrl validate-config``.
 
 Model size comes from ``model.architecture`` (and the checkpoint's ``config.json`` when ``model.path`` is a
-local folder). The estimate counts, per rank, what the colocated roles keep resident:
+local folder). Per rank, each trainable role (actor, critic) holds weights (2 B/param in bf16, 4 in fp32),
+fp32 gradients (4 B) and Adam state (8 B of moments, + 4 B fp32 master copy of 16-bit weights), the Adam
+state divided over DP only by Megatron's DistributedOptimizer (``optim.backend`` and
+``megatron.use_distributed_optimizer``, whose "auto" / None mean on with CUDA, as the run decides).
+Frozen roles (reference, reward model) hold weights. Weights split over TP x PP (embedding and output layer
+over TP only).
 
-- actor: weights (2 B/param in bf16, 4 in fp32) + gradients (4 B, fp32 grad buffer) + Adam (12 B: fp32
-  master copy and two moments), the 12 B divided over DP when the distributed optimizer is on (GPU);
-- reference: weights (0 when ``ref.param_offload``); critic: like the actor (its own model if set);
-- rollout: vLLM's share of the device (``rollout.gpu_memory_utilization`` x device memory, GPU only).
-
-Weights split over TP x PP (embedding and output layer over TP only). Activations are not counted; they
-depend on micro-batch size, sequence length and recompute. Numbers are for planning, not a guarantee.
+The device is a GPU when ``--device-gib`` is given or the config uses CUDA graphs
+(``rollout.enforce_eager`` false); otherwise a CPU run, whose numbers are host RAM. On a GPU two phases are
+summed: while vLLM generates (it holds ``rollout.gpu_memory_utilization`` x device memory; parts whose
+``param_offload`` / ``optimizer_offload`` flag is set wait in host RAM) and while the roles train (vLLM
+asleep with ``rollout.free_cache_engine``; an offloaded reference / reward model stays on the host). On CPU,
+vLLM holds its weights and ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache (hybridrl sets 1), and offloading moves
+nothing. Activations are not counted; they depend on micro-batch size, sequence length and recompute.
+Numbers are for planning, not a guarantee.
 """
 
 from __future__ import annotations
@@ -86,50 +92,176 @@ def architecture(cfg: Any, path: str | None = None) -> Arch | None:
     )
 
 
-def per_rank_params(arch: Arch, tp: int, pp: int) -> int:
+def per_rank_params(arch: Arch, tp: int, pp: int, lm_head: bool = True) -> int:
+    """Parameters one rank holds: layers over TP x PP, embedding (and output layer) over TP.
+
+    ``lm_head=False``: a critic / reward model, whose output layer is a ``(1, hidden)`` score head.
+    """
     layers, embed = arch.params()
+    if not lm_head and not arch.tied:
+        embed -= arch.vocab * arch.hidden - arch.hidden
     return layers // (tp * pp) + embed // tp
 
 
-def estimate(cfg: Any, device_gib: float = 141.0, on_gpu: bool = True) -> dict[str, float] | None:
-    """GiB per rank of each resident part (see the module docstring); None when the model size is unknown."""
+def optimizer_bytes(optim: Any, megatron: Any, dtype: str, on_gpu: bool) -> tuple[float, str]:
+    """Adam bytes per parameter on one rank, and why: 8 (two fp32 moments) + 4 (fp32 master copy) for 16-bit
+    weights, divided over DP only on Megatron's DistributedOptimizer. ``backend="auto"`` and
+    ``use_distributed_optimizer=None`` resolve as the run does (hybridrl.mcore.optimizer): on with CUDA."""
+    per_param = 8 if dtype == "float32" else 12
+    backend = optim.backend if optim.backend != "auto" else ("megatron" if on_gpu else "torch")
+    dist = megatron.use_distributed_optimizer
+    sharded = backend == "megatron" and (on_gpu if dist is None else dist)
+    dp = megatron.dp_size or 1
+    if sharded:
+        return per_param / dp, f"{per_param} B/param / dp {dp}: distributed optimizer"
+    why = f"{backend} backend" + (", no distributed optimizer" if backend == "megatron" else "")
+    return per_param, f"{per_param} B/param, not sharded ({why})"
+
+
+@dataclass
+class Part:
+    """One resident piece of a role on one rank."""
+
+    gib: float
+    note: str = ""
+    """How it was sized (shown after the number)."""
+    away: str = ""
+    """GPU only: where it is while vLLM generates, when an offload flag moves it ("" = on the device)."""
+    away_in_training: bool = False
+    """Also off the device while the roles train (an offloaded frozen model is onloaded only for its forward)."""
+
+
+@dataclass
+class Estimate:
+    """GiB per rank of a config's parts and of vLLM, on the assumed device."""
+
+    device: str
+    """What was assumed and why (one phrase)."""
+    on_gpu: bool
+    device_gib: float | None
+    parts: dict[str, Part]
+    rollout_gib: float | None
+    """vLLM's memory; None on a GPU of unknown size (then ``rollout_share`` of it)."""
+    rollout_share: float
+    rollout_note: str
+    vllm_sleeps: bool
+    """GPU with rollout.free_cache_engine: vLLM frees its memory (level-2 sleep) while the roles train."""
+
+    def roles(self, generating: bool) -> float:
+        """GiB of the roles on the device while vLLM generates, or while they train (during the critic's update
+        every trainable role is on the device). On CPU everything, always: offloading moves nothing."""
+        if not self.on_gpu:
+            return sum(p.gib for p in self.parts.values())
+        gone = (lambda p: bool(p.away)) if generating else (lambda p: p.away_in_training)
+        return sum(p.gib for p in self.parts.values() if not gone(p))
+
+    def phases(self) -> tuple[float, float] | None:
+        """(while generating, while training) with vLLM; None on a GPU of unknown size."""
+        if self.rollout_gib is None:
+            return None
+        asleep = self.vllm_sleeps
+        return self.roles(True) + self.rollout_gib, self.roles(False) + (0.0 if asleep else self.rollout_gib)
+
+    def smallest_device(self) -> float:
+        """GPU: the device GiB that holds both phases when vLLM takes ``rollout_share`` of it."""
+        free = 1.0 - self.rollout_share
+        generating = self.roles(True) / free if free > 0 else float("inf")
+        return max(generating, self.roles(False) / (1.0 if self.vllm_sleeps else free))
+
+
+def assumed_device(cfg: Any, device_gib: float | None) -> tuple[bool, str]:
+    """GPU when ``device_gib`` is given or the config uses CUDA graphs; otherwise a CPU run (host RAM)."""
+    if device_gib is not None:
+        return True, f"GPU with {device_gib:g} GiB"
+    if not cfg.rollout.enforce_eager:
+        return True, "GPU of unknown size (CUDA graphs: rollout.enforce_eager false; --device-gib N sets it)"
+    return False, "CPU run, host RAM (rollout.enforce_eager true; --device-gib N for a GPU)"
+
+
+def estimate(cfg: Any, device_gib: float | None = None) -> Estimate | None:
+    """Per-rank memory of a loaded config (see the module docstring); None when the model size is unknown.
+
+    Args:
+        cfg: a config from :func:`hybridrl.config.load_config` (derived fields filled).
+        device_gib: memory of one GPU; None = unknown (CPU unless the config uses CUDA graphs).
+    """
     arch = architecture(cfg)
     if arch is None:
         return None
-    m = cfg.actor.megatron
-    n = per_rank_params(arch, m.tp_size, m.pp_size)
+    on_gpu, device = assumed_device(cfg, device_gib)
     wbytes = 4 if cfg.model.dtype == "float32" else 2
-    dist_opt = on_gpu and m.use_distributed_optimizer is not False
-    optim = 12 / (m.dp_size or 1) if dist_opt else 12
-    out = {
-        "actor weights": n * wbytes / GIB,
-        "actor grads": n * 4 / GIB,
-        "actor optimizer": n * optim / GIB,
-    }
-    if cfg.ref.enable and not cfg.ref.param_offload:
-        out["reference weights"] = n * wbytes / GIB
+    parts: dict[str, Part] = {}
+
+    def trainable(role: str, section: Any, megatron: Any, shape: Arch, lm_head: bool) -> None:
+        n = per_rank_params(shape, megatron.tp_size, megatron.pp_size, lm_head)
+        optim, why = optimizer_bytes(section.optim, megatron, cfg.model.dtype, on_gpu)
+        when = "while vLLM generates" if role == "actor" else "outside its passes"
+        weights, state = on_gpu and section.param_offload, on_gpu and section.optimizer_offload
+        parts[f"{role} weights"] = Part(n * wbytes / GIB, away=f"host RAM {when}" * weights)
+        parts[f"{role} grads"] = Part(n * 4 / GIB, "fp32", away=f"freed {when}" * state)
+        parts[f"{role} optimizer"] = Part(n * optim / GIB, why, away=f"host RAM {when}" * state)
+
+    def frozen(name: str, shape: Arch, lm_head: bool, offload: bool) -> None:
+        n = per_rank_params(shape, m.tp_size, m.pp_size, lm_head)
+        away = "host RAM outside its forwards" if on_gpu and offload else ""
+        parts[name] = Part(n * wbytes / GIB, away=away, away_in_training=bool(away))
+
+    m = cfg.actor.megatron  # every role shares the actor's layout sizes (checked by the config)
+    trainable("actor", cfg.actor, m, arch, True)
+    if cfg.ref.enable:
+        frozen("reference weights", arch, True, cfg.ref.param_offload)
     if cfg.critic.enable:
         critic = architecture(cfg, cfg.critic.model_path) if cfg.critic.model_path else arch
         if critic is not None:
-            nc = per_rank_params(critic, m.tp_size, m.pp_size)
-            out["critic"] = nc * (wbytes + 4 + optim) / GIB
+            trainable("critic", cfg.critic, cfg.critic.megatron or m, critic, False)
+    rm = cfg.reward.model
+    scorer = architecture(cfg, rm.path) if rm.enable and rm.path else None
+    if scorer is not None:
+        frozen("reward model", scorer, False, rm.param_offload)
+
+    r = cfg.rollout
     if on_gpu:
-        out["rollout (vLLM share)"] = cfg.rollout.gpu_memory_utilization * device_gib
-    out["total"] = sum(out.values())
-    return out
+        rollout = None if device_gib is None else r.gpu_memory_utilization * device_gib
+        size = "the device" if device_gib is None else f"{device_gib:g} GiB"
+        note = f"rollout.gpu_memory_utilization {r.gpu_memory_utilization:g} x {size}: weights + KV cache"
+    else:
+        kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))  # hybridrl's default when unset
+        rollout = per_rank_params(arch, r.tp_size, 1) * (4 if r.dtype == "float32" else 2) / GIB + kv
+        note = f"its weights + VLLM_CPU_KVCACHE_SPACE {kv:g} GiB of KV cache"
+    sleeps = on_gpu and r.free_cache_engine
+    return Estimate(device, on_gpu, device_gib, parts, rollout, r.gpu_memory_utilization, note, sleeps)
 
 
-def report(cfg: Any, device_gib: float = 141.0) -> str:
+def report(cfg: Any, device_gib: float | None = None) -> str:
     """Printable lines of :func:`estimate`."""
     arch = architecture(cfg)
     est = estimate(cfg, device_gib)
     if arch is None or est is None:
         return "memory: unknown (model.path is not a local folder and model.architecture is incomplete)"
     layers, embed = arch.params()
-    lines = [f"memory per rank (GiB, GPU with {device_gib:.0f} GiB; model {(layers + embed) / 1e9:.2f}B params):"]
-    lines += [f"  {name:22s} {gib:8.2f}" for name, gib in est.items()]
-    if est["total"] > device_gib:
+    lines = [
+        f"memory per rank in GiB, {est.device}; model {(layers + embed) / 1e9:.2f}B params, activations not counted:"
+    ]
+    for name, p in est.parts.items():
+        lines.append(f"  {name:18s} {p.gib:8.2f}  {'; '.join(x for x in (p.note, p.away) if x)}".rstrip())
+    rollout = "" if est.rollout_gib is None else f"{est.rollout_gib:.2f}"
+    lines.append(f"  {'rollout (vLLM)':18s} {rollout:>8s}  {est.rollout_note}")
+    phases = est.phases()
+    if not est.on_gpu:
+        lines.append(f"  {'total':18s} {phases[0]:8.2f}")
+        return "\n".join(lines)
+    asleep = "vLLM asleep" if est.vllm_sleeps else "vLLM awake (rollout.free_cache_engine false)"
+    if phases is None:
+        awake = "" if est.vllm_sleeps else f" + {est.rollout_share:g} x the device"
+        lines.append(f"  {'while generating':18s} {est.roles(True):8.2f}  + {est.rollout_share:g} x the device")
+        lines.append(f"  {'while training':18s} {est.roles(False):8.2f}{awake}  {asleep}")
+        lines.append(f"  fits a GPU of {est.smallest_device():.0f} GiB or more")
+        return "\n".join(lines)
+    lines.append(f"  {'while generating':18s} {phases[0]:8.2f}")
+    lines.append(f"  {'while training':18s} {phases[1]:8.2f}  {asleep}")
+    if max(phases) > device_gib:
         lines.append(
-            f"  warning: {est['total']:.0f} GiB > {device_gib:.0f} GiB; raise tp/pp, offload, or lower rollout share"
+            f"  warning: {max(phases):.0f} GiB > the GPU's {device_gib:g} GiB; raise tp/pp, offload (actor/critic "
+            "param_offload / optimizer_offload, ref.param_offload) or lower rollout.gpu_memory_utilization"
         )
     return "\n".join(lines)
