@@ -124,9 +124,14 @@ def main(argv: list[str] | None = None) -> int:
         if not rest or rest[0].startswith("-"):
             print("usage: hybridrl train CONFIG [key=value ...]", file=sys.stderr)
             return 2
+        from hybridrl.config import ConfigError
         from hybridrl.trainer.main import train
 
-        train(rest[0], rest[1:])
+        try:
+            train(rest[0], rest[1:])
+        except ConfigError as err:  # every rank would print the same traceback; the message says it all
+            print(f"config error: {err}", file=sys.stderr)
+            return 2
         return 0
     print(f"unknown command {command!r}; run 'hybridrl --help' for the list", file=sys.stderr)
     return 2

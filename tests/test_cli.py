@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -31,6 +32,22 @@ def test_validate_config_error_is_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
     assert "did you mean 'actor.megatron.tp_size'" in err
+
+
+def test_train_config_error_is_one_line():
+    """A rank of ``hybridrl train`` whose config fails its checks prints one line and exits 2, no traceback:
+    tiny_cpu.yaml wants 2 ranks, this launch is 1 (RANK / WORLD_SIZE as torchrun sets them)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    cmd = [sys.executable, "-m", "hybridrl", "train", "tiny_cpu.yaml"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stdout == ""
+    err = result.stderr.strip()
+    assert err.count("\n") == 0, err
+    assert err.startswith(
+        "config error: world_size (1) of the launch != trainer.nnodes (1) * trainer.n_gpus_per_node (2)"
+    )
 
 
 def test_python_dash_m_entry():
