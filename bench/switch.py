@@ -68,10 +68,10 @@ class PerTensorGather:
     def to_rollout(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         stats = dict(collectives=0, bytes_moved=0, bytes_copied=0, bytes_shared=0, peak_extra_bytes=0)
         mega: dict[str, torch.Tensor] = {}
-        tp = self.src.layout.tp
+        tp, params = self.src.layout.tp, self.src.params
         for name in self.names:
             owner, (shp, dtype) = self.owner[name], self.meta[name]
-            shard = self.src.params.get(name) if owner == dist.get_rank() else None
+            shard = params.get(name) if owner == dist.get_rank() else None
             transient = 0
             if len(self.src.pp_ranks) > 1:
                 if shard is None:

@@ -113,6 +113,7 @@ class HybridEngine:
         self.copies = self.rank_plan.copies  # host tensors: the kernels read plans on the host
         self.buffer: torch.Tensor | None = None
         self._scatter: _ScatterPlan | None = None
+        self._dests = {d.name: d for d in self.plan.dests[self.rollout_rank]}
         self.stats = SwitchStats()
 
     @classmethod
@@ -156,6 +157,7 @@ class HybridEngine:
         """
         start = time.perf_counter()
         rp, stats = self.rank_plan, SwitchStats(buckets=len(self.plan.buckets))
+        params = self.src.params  # read now: offloading the model rebinds its parameters' data
         scatter = None
         if into:
             scatter = self._scatter_plan(into)
@@ -172,7 +174,7 @@ class HybridEngine:
 
         mover = BucketMover(
             self.plan.buckets,
-            self.src.params,
+            params,
             self.src.pp_rank,
             self.src.layout.tp,
             self.src.tp_rank,
@@ -197,7 +199,7 @@ class HybridEngine:
             pending = following if self.overlap else (mover.start(k + 1) if k + 1 < n else None)
         stats.peak_extra_bytes = mover.buffer_bytes
         del mover
-        out = self._views(scatter)
+        out = self._views(scatter, params)
         es = self.buffer.element_size()
         stats.bytes_copied = rp.copied_numel * es
         if scatter is not None:
@@ -216,13 +218,13 @@ class HybridEngine:
         self.stats = stats
         return out
 
-    def _views(self, scatter: _ScatterPlan | None) -> dict[str, torch.Tensor]:
+    def _views(self, scatter: _ScatterPlan | None, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         offsets = scatter.buffer_offsets if scatter is not None else self.rank_plan.offsets
         for d in self.plan.dests[self.rollout_rank]:
             if d.name in self.rank_plan.shared:
                 src, offset = self.rank_plan.shared[d.name]
-                flat = self.src.params[src].reshape(-1)
+                flat = params[src].reshape(-1)
             elif d.name in offsets:
                 flat, offset = self.buffer, offsets[d.name]
             else:  # written into its into= tensor, filled in by to_rollout
@@ -231,21 +233,21 @@ class HybridEngine:
         return out
 
     def _scatter_plan(self, into: Mapping[str, torch.Tensor]) -> _ScatterPlan:
+        # the targets are checked on every call (cheap; a wrong one found mid-switch would leave the other
+        # ranks waiting in a collective), the plan is rebuilt only when the set of names changes
+        dests = self._dests
+        for name, t in into.items():
+            d = dests.get(name)
+            if d is None:
+                raise PlanError(f"to_rollout(into=...): {name!r} is not a tensor of rollout rank {self.rollout_rank}")
+            want = (d.shape, self.dtype, self.device, True)
+            if (tuple(t.shape), t.dtype, t.device, t.is_contiguous()) != want:
+                raise PlanError(
+                    f"to_rollout(into=...): {name} is {list(t.shape)} {t.dtype} {t.device} (contiguous="
+                    f"{t.is_contiguous()}); the switch writes {list(d.shape)} {self.dtype} {self.device} contiguous"
+                )
         key = tuple(sorted(into))
         if self._scatter is None or self._scatter.key != key:
-            dests = {d.name: d for d in self.plan.dests[self.rollout_rank]}
-            for name, t in into.items():
-                d = dests.get(name)
-                if d is None:
-                    raise PlanError(
-                        f"to_rollout(into=...): {name!r} is not a tensor of rollout rank {self.rollout_rank}"
-                    )
-                want = (d.shape, self.dtype, self.device, True)
-                if (tuple(t.shape), t.dtype, t.device, t.is_contiguous()) != want:
-                    raise PlanError(
-                        f"to_rollout(into=...): {name} is {list(t.shape)} {t.dtype} {t.device} (contiguous="
-                        f"{t.is_contiguous()}); the switch writes {list(d.shape)} {self.dtype} {self.device} contiguous"
-                    )
             self._scatter = _ScatterPlan.build(self.rank_plan, self.plan.dests[self.rollout_rank], key, set(into))
             self.buffer = None
         return self._scatter

@@ -22,8 +22,8 @@ from hybridrl.mcore.bridge import global_parameters
 class TrainingSource:
     """This rank's Megatron shards and its place in the training layout."""
 
-    params: dict[str, torch.Tensor] = field(repr=False)
-    """Megatron name (global layer numbers) -> the parameter's data (no copy)."""
+    parameters: dict[str, torch.Tensor] = field(repr=False)
+    """Megatron name (global layer numbers) -> the parameter (no copy)."""
     layout: ParallelLayout
     tp_rank: int
     pp_rank: int
@@ -34,10 +34,16 @@ class TrainingSource:
     fused_norms: bool
     """TransformerEngine's spec: norm weights live in ``linear_qkv`` / ``linear_fc1``."""
 
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """Name -> the parameter's data NOW: offloading a model (``RoleModel.offload`` / ``onload``) rebinds
+        ``p.data`` to new tensors, so a switch must read it afresh rather than keep the tensors it first saw."""
+        return {name: p.data for name, p in self.parameters.items()}
+
 
 def training_source(chunks: list[torch.nn.Module]) -> TrainingSource:
     """This rank's parameters and groups on the current Megatron parallel state."""
-    params = {name: p.data for name, p in global_parameters(chunks)}
+    params = dict(global_parameters(chunks))
     pp_group = mpu.get_pipeline_model_parallel_group()
     pp = mpu.get_pipeline_model_parallel_world_size()
     vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
@@ -49,7 +55,7 @@ def training_source(chunks: list[torch.nn.Module]) -> TrainingSource:
         vpp=vpp,
     )
     return TrainingSource(
-        params=params,
+        parameters=params,
         layout=layout,
         tp_rank=mpu.get_tensor_model_parallel_rank(),
         pp_rank=mpu.get_pipeline_model_parallel_rank(),

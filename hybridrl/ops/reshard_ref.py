@@ -64,6 +64,7 @@ def check_scatter_plan(src: torch.Tensor, dsts: Sequence[torch.Tensor], plan: to
         )
 
 
+@torch.no_grad()  # targets may be parameters (vLLM's): writing them is not part of any graph
 def block_scatter_reference(src: torch.Tensor, dsts: Sequence[torch.Tensor], plan: torch.Tensor) -> None:
     """Copy every block of the scatter ``plan`` from ``src`` into ``dsts`` (in place)."""
     check_scatter_plan(src, dsts, plan)
@@ -72,6 +73,7 @@ def block_scatter_reference(src: torch.Tensor, dsts: Sequence[torch.Tensor], pla
         flat[i][d : d + n].copy_(src[s : s + n])
 
 
+@torch.no_grad()
 def block_copy_reference(src: torch.Tensor, dst: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
     """Copy every block of ``plan`` from ``src`` into ``dst`` (in place); returns ``dst``."""
     check_plan(src, dst, plan)

@@ -91,11 +91,18 @@ def _body(rank: int, world_size: int, paths: dict) -> dict:
                 into_half = engine.to_rollout(into=half)
                 half_stats = engine.stats.as_dict()
                 back = engine.to_rollout()  # and back to the flat buffer
+                qkv = "model.layers.0.self_attn.qkv_proj.weight"
+                try:  # the same names as before with one target of the right size but the wrong shape
+                    engine.to_rollout(into={**fresh, qkv: fresh[qkv].view(-1)})
+                    reshaped_target = "accepted"
+                except Exception as e:
+                    reshaped_target = type(e).__name__
                 report[(arch, tp, pp, tp_i)]["into"] = {
                     "unequal_all": [n for n in want if not torch.equal(into_all[n], want[n])],
                     "unequal_half": [n for n in want if not torch.equal(into_half[n], want[n])],
                     "unequal_back": [n for n in want if not torch.equal(back[n], want[n])],
                     "not_targets": [n for n in half if into_half[n].data_ptr() != fresh[n].data_ptr()],
+                    "reshaped_target": reshaped_target,
                     "all": all_stats,
                     "half": half_stats,
                     "half_bytes": sum(t.numel() * t.element_size() for t in half.values()),
@@ -103,6 +110,15 @@ def _body(rank: int, world_size: int, paths: dict) -> dict:
                         want[n].numel() * 4 for n in want if n not in half and n not in engine.rank_plan.shared
                     ),
                 }
+            # offloading a model (RoleModel.offload / onload on GPU) rebinds each parameter's data: the next
+            # switch must read the new tensors (the old ones are poisoned here), shared views included
+            old = [p.data for p in actor.parameters()]
+            for p in actor.parameters():
+                p.data = p.data.clone()
+            for t in old:
+                t.fill_(float("nan"))
+            rebound = engine.to_rollout()
+            report[(arch, tp, pp, "rebound")] = [n for n in want if not torch.equal(rebound[n], want[n])]
     return report
 
 
@@ -140,6 +156,7 @@ def test_switch_straight_into_given_tensors(reports, arch, tp, pp, tp_i):
         assert not r["unequal_half"], f"rank {rank}: partial into= differs: {r['unequal_half'][:3]}"
         assert not r["unequal_back"], f"rank {rank}: flat buffer after into= differs: {r['unequal_back'][:3]}"
         assert not r["not_targets"], "into= must return the given tensors themselves"
+        assert r["reshaped_target"] == "PlanError", "targets are checked on every call, not only the first"
         full, half = r["all"], r["half"]
         assert full["dest_bytes"] == 0 and full["bytes_shared"] == 0
         assert full["bytes_direct"] == report[(arch, tp, pp, tp_i)]["nbytes"]
@@ -168,3 +185,13 @@ def test_one_collective_per_bucket_and_sane_stats(reports, arch, tp, pp, tp_i):
             assert "model.layers.0.mlp.down_proj.weight" in r["shared"]
             assert "model.layers.0.post_attention_layernorm.weight" in r["shared"]
             assert s["bytes_shared"] > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
+def test_switch_reads_parameters_rebound_by_offload(reports, arch, tp, pp):
+    for rank, report in enumerate(reports):
+        assert not report[(arch, tp, pp, "rebound")], (
+            f"rank {rank}: stale tensors {report[(arch, tp, pp, 'rebound')][:3]}"
+        )

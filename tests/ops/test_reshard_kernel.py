@@ -165,6 +165,19 @@ def test_scatter_into_many_tensors_matches_reference(ext, threads, dtype):
             assert torch.equal(got, want), f"native scatter != reference in destination {i} ({dtype})"
 
 
+def test_targets_may_be_parameters(ext):
+    """vLLM's parameters (requires_grad) are written in place by both paths, as plain tensors are."""
+    src = torch.arange(10, dtype=torch.float32)
+    plan = torch.tensor([[2, 0, 1, 3]])
+    for impl in (block_scatter_reference, ext.block_scatter):
+        dst = torch.nn.Parameter(torch.zeros(5))
+        impl(src, [dst], plan)
+        assert dst.detach().tolist() == [0, 2, 3, 4, 0] and dst.grad_fn is None
+    dst = torch.nn.Parameter(torch.zeros(5))
+    block_copy_reference(src, dst, torch.tensor([[2, 1, 3]]))
+    assert dst.detach().tolist() == [0, 2, 3, 4, 0]
+
+
 def test_scatter_equals_copy_into_views_of_one_buffer(ext):
     """block_scatter into views of one buffer == block_copy into the buffer with the offsets added."""
     gen = torch.Generator().manual_seed(6)
