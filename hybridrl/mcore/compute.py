@@ -126,6 +126,18 @@ def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -
     return parts
 
 
+def _pad_rows(batch: dict[str, torch.Tensor], pad: int) -> dict[str, torch.Tensor]:
+    """``batch`` with ``pad`` copies of its last row appended to every tensor whose first dim is the batch."""
+    b = batch["input_ids"].shape[0]
+    if not pad:
+        return batch
+    return {
+        k: torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]) if isinstance(v, torch.Tensor) and v.dim() and len(v) == b
+        else v
+        for k, v in batch.items()
+    }  # fmt: skip
+
+
 def gather_response(output: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rows of ``output`` ``(mb, s, *rest)`` at ``positions`` ``(mb, r)``: ``(mb, r, *rest)``."""
     mb, r = positions.shape
@@ -312,7 +324,8 @@ def forward_outputs(
     """Forward-only ``head`` outputs for the local batch, on every rank.
 
     Args:
-        chunks, batch, micro_batch_size: as in :func:`forward_backward`.
+        chunks, batch: as in :func:`forward_backward`.
+        micro_batch_size: samples per micro-batch; need not divide ``b`` (the last one is padded).
         head: which per-token tensors to compute (its ``keys`` name them).
         gather_dp: concatenate the results of all DP ranks (in DP-rank order) instead of the local ones.
 
@@ -322,8 +335,12 @@ def forward_outputs(
     """
     _check_supported(chunks)
     prepared = prepare_batch(batch)
-    micro_batches = split_micro_batches(prepared, micro_batch_size)
     b, r = prepared["responses"].shape
+    # Forward-only, so a batch that micro_batch_size does not divide (a validation tail, ReMax's greedy
+    # baselines, any reference / reward-model micro-batch size) is padded with copies of its last row,
+    # whose outputs are dropped below; pipeline buffers need equal micro-batches.
+    micro_batch_size = max(1, min(micro_batch_size, b))
+    micro_batches = split_micro_batches(_pad_rows(prepared, (-b) % micro_batch_size), micro_batch_size)
 
     def loss_func(output, micro_batch):
         outputs = head(output, micro_batch)
@@ -332,7 +349,7 @@ def forward_outputs(
     with torch.no_grad():
         collected = _run_schedule(chunks, micro_batches, loss_func, forward_only=True)
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
-        stacked = torch.stack([torch.cat([c[k] for c in collected]) for k in head.keys])
+        stacked = torch.stack([torch.cat([c[k] for c in collected])[:b] for k in head.keys])
     else:
         stacked = torch.empty(len(head.keys), b, r, dtype=torch.float32, device=prepared["input_ids"].device)
     if mpu.get_pipeline_model_parallel_world_size() > 1:
