@@ -249,11 +249,22 @@ def check_policy_loss(cfg: RunConfig, world: int) -> None:
     _in_range("algorithm.lam", cfg.algorithm.lam, 0.0, 1.0, low_open=False, high_open=False)
 
 
+VLLM_MIN_TEMPERATURE = 0.01
+"""vLLM's ``SamplingParams`` raises any temperature in (0, 0.01) to 0.01 (``_MAX_TEMP``, vllm 0.32)."""
+
+
 def check_sampling(cfg: RunConfig, world: int) -> None:
     """Sampling parameters vLLM accepts."""
     for key, s in (("rollout", cfg.rollout), ("rollout.val", cfg.rollout.val)):
         if s.temperature < 0:
             _fail(f"{key}.temperature ({s.temperature}) must be >= 0 (0 = greedy)", f"{key}.temperature")
+        if 0 < s.temperature < VLLM_MIN_TEMPERATURE:  # vLLM would sample at 0.01, the actor score at this value
+            _fail(f"{key}.temperature ({s.temperature}) is below vLLM's smallest, {VLLM_MIN_TEMPERATURE} (it would "
+                  f"sample at {VLLM_MIN_TEMPERATURE}); use 0 (greedy) or >= {VLLM_MIN_TEMPERATURE}",
+                  f"{key}.temperature")  # fmt: skip
+        if s.n > 1 and s.temperature == 0:
+            _fail(f"{key}.n ({s.n}) > 1 with {key}.temperature 0 (greedy) gives {s.n} identical responses; set "
+                  f"{key}.temperature > 0 or {key}.n=1", f"{key}.temperature")  # fmt: skip
         _in_range(f"{key}.top_p", s.top_p, 0.0, 1.0, low_open=True, high_open=False)
         if s.top_k != -1 and s.top_k < 1:
             _fail(f"{key}.top_k ({s.top_k}) must be -1 (off) or positive", f"{key}.top_k")

@@ -325,6 +325,10 @@ CASES = [
     (TINY, ["actor.optim.min_lr=1"], "actor.optim.min_lr (1.0) must be <= actor.optim.lr (0.0001)"),
     (TINY, ["rollout.top_p=0"], "rollout.top_p (0.0) must be in (0.0, 1.0]"),
     (TINY, ["rollout.top_k=0"], "rollout.top_k (0) must be -1 (off) or positive"),
+    (TINY, ["rollout.temperature=0.005"], "rollout.temperature (0.005) is below vLLM's smallest, 0.01 (it would "
+     "sample at 0.01); use 0 (greedy) or >= 0.01"),
+    (TINY, ["rollout.val.n=4"], "rollout.val.n (4) > 1 with rollout.val.temperature 0 (greedy) gives 4 identical "
+     "responses; set rollout.val.temperature > 0 or rollout.val.n=1"),
     (TINY, ["rollout.response_length=100"], "rollout.response_length (100) must equal data.max_response_length (8); "
      "set only data.max_response_length"),
     # sources
