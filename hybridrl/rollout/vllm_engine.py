@@ -129,6 +129,42 @@ def _eos_ids(hf_config: Any) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, list | tuple) else [int(eos)]
 
 
+def end_token_ids(hf_config: Any, model_path: str | None = None, tokenizer: Any = None) -> list[int]:
+    """Token ids that end a response: ``eos_token_id`` of the model config, of the checkpoint's
+    ``generation_config.json`` (chat checkpoints list their end-of-turn token there: Llama 3 Instruct's
+    ``<|eot_id|>``, Qwen2.5 Instruct's ``<|endoftext|>`` besides ``<|im_end|>``) and the tokenizer's EOS."""
+    ids = _eos_ids(hf_config)
+    gen = os.path.join(model_path, "generation_config.json") if model_path else None
+    if gen and os.path.isfile(gen):
+        with open(gen, encoding="utf-8") as f:
+            ids += _eos_ids(json.load(f))
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return sorted(set(ids))
+
+
+def stop_string_tokenizer(stop: list[str], tokenizer: Any) -> str | None:
+    """The tokenizer folder vLLM needs to match ``rollout.stop`` strings (None without stop strings).
+
+    Args:
+        stop: the stop strings.
+        tokenizer: the run's :class:`hybridrl.data.tokenizers.Tokenizer` (an HF one: vLLM loads its folder).
+
+    Raises:
+        ValueError: stop strings with a tokenizer vLLM cannot load (a sentencepiece ``.model``, the demo's).
+    """
+    if not stop:
+        return None
+    folder = getattr(getattr(tokenizer, "hf", None), "name_or_path", None)
+    if not folder or not os.path.isdir(folder):
+        kind = type(tokenizer).__name__ if tokenizer is not None else "no tokenizer"
+        raise ValueError(
+            f"rollout.stop ({list(stop)}) needs a Hugging Face tokenizer folder that vLLM can load to match strings, "
+            f"and this run has {kind}; remove rollout.stop or point model.tokenizer_path at an HF tokenizer folder"
+        )
+    return folder
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """A vLLM ``LLM`` in this process, initialised with dummy weights from ``hf_config``.
 
@@ -228,13 +264,18 @@ class VLLMRolloutEngine(RolloutEngine):
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
 
     @classmethod
-    def from_config(cls, cfg: RolloutConfig, hf_config: Any, **kwargs: Any) -> VLLMRolloutEngine:
+    def from_config(
+        cls, cfg: RolloutConfig, hf_config: Any, tokenizer: Any = None, model_path: str | None = None, **kwargs: Any
+    ) -> VLLMRolloutEngine:
         """Build from a resolved ``rollout`` config (``hybridrl.config.checks`` fills its None fields).
 
         Args:
             cfg: the run's ``rollout`` section.
             hf_config: the model's HF config.
-            **kwargs: more :class:`VLLMRolloutEngine` arguments (``tokenizer``, ``pad_token_id``, ...).
+            tokenizer: the run's :class:`hybridrl.data.tokenizers.Tokenizer`: its EOS ends responses, and its
+                folder lets vLLM match ``cfg.stop`` strings (:func:`stop_string_tokenizer`).
+            model_path: the checkpoint folder; its ``generation_config.json`` EOS ids end responses too.
+            **kwargs: more :class:`VLLMRolloutEngine` arguments (``pad_token_id``, ...).
         """
         if cfg.backend != "vllm":
             raise ValueError(f"rollout.backend ({cfg.backend!r}) is not 'vllm'; use the engine of that backend")
@@ -246,6 +287,8 @@ class VLLMRolloutEngine(RolloutEngine):
         # no per-request seed: the engine seed makes a run reproducible, and each step still draws anew
         sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, n=cfg.n)
         sampling.update(max_tokens=cfg.response_length, **({"stop": list(cfg.stop)} if cfg.stop else {}))
+        kwargs.setdefault("stop_token_ids", end_token_ids(hf_config, model_path, tokenizer))
+        kwargs.setdefault("tokenizer", stop_string_tokenizer(list(cfg.stop), tokenizer))
         return cls(
             hf_config,
             tensor_parallel_size=cfg.tp_size,
@@ -277,6 +320,8 @@ class VLLMRolloutEngine(RolloutEngine):
         seed = s.pop("seed", None)
         top_k = s.pop("top_k", -1)
         stop_ids = s.pop("stop_token_ids", None)
+        if stop_ids is None and s.get("ignore_eos"):
+            stop_ids = []  # vLLM's ignore_eos only skips its own EOS, not the EOS ids passed as stop tokens here
         return SamplingParams(
             **s,
             top_k=0 if top_k is None or top_k < 0 else top_k,  # vLLM: 0 = off (hybridrl config: -1 = off)

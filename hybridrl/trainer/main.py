@@ -24,6 +24,7 @@ from hybridrl.distributed import ParallelLayout, detect_env, init_distributed, i
 def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
     """(model path, tokenizer, train files, val files); makes the demo assets first when asked."""
     from hybridrl.data.tokenizers import load_tokenizer
+    from hybridrl.rollout.vllm_engine import stop_string_tokenizer
 
     if cfg.data.demo_task:
         from hybridrl.trainer.demo_assets import make_demo_assets
@@ -33,6 +34,7 @@ def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
             make_demo_assets(cfg, out)
         dist.barrier()
         tokenizer = load_tokenizer(os.path.join(out, "tokenizer.model"))
+        stop_string_tokenizer(list(cfg.rollout.stop), tokenizer)
         model_path = cfg.model.path or os.path.join(out, "model")
         return model_path, tokenizer, [os.path.join(out, "train.parquet")], [os.path.join(out, "val.parquet")]
     if cfg.model.path is None:
@@ -47,6 +49,7 @@ def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
     if cfg.reward.model.enable and cfg.reward.model.path is not None:
         cfg.reward.model.path = resolve_checkpoint(cfg.reward.model.path, "reward.model.path")
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    stop_string_tokenizer(list(cfg.rollout.stop), tokenizer)  # fails now, not after the models are built
     return cfg.model.path, tokenizer, list(cfg.data.train_files), list(cfg.data.val_files)
 
 

@@ -53,7 +53,7 @@ class RLTrainer:
             use_gpu=torch.cuda.is_available(),
             max_colocate_count=cfg.resources.max_colocate_count,
         )
-        self.actor = WorkerGroup(pool, ClassWithInitArgs(ActorRolloutWorker, cfg, model_path))
+        self.actor = WorkerGroup(pool, ClassWithInitArgs(ActorRolloutWorker, cfg, model_path, tokenizer))
         self.ref = WorkerGroup(pool, ClassWithInitArgs(ReferenceWorker, cfg, model_path)) if cfg.ref.enable else None
         self.rm = None
         if cfg.reward.model.enable:

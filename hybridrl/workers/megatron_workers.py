@@ -119,7 +119,7 @@ class _TrainedRole:
 class ActorRolloutWorker(_TrainedRole):
     """Policy training on Megatron and generation in a colocated vLLM engine."""
 
-    def __init__(self, cfg: RunConfig, model_path: str, tokenizer_path: str | None = None) -> None:
+    def __init__(self, cfg: RunConfig, model_path: str, tokenizer: Any = None) -> None:
         from hybridrl.hybrid_engine import HybridEngine
         from hybridrl.rollout import VLLMRolloutEngine
 
@@ -146,7 +146,9 @@ class ActorRolloutWorker(_TrainedRole):
         # config, not from torch.cuda.current_device()).
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         extra = {"distributed_executor_backend": "external_launcher"} if world > 1 else {}
-        self.rollout = VLLMRolloutEngine.from_config(r, self.model.hf_config, **extra)
+        # the tokenizer's and generation_config.json's EOS ids end responses too; an HF tokenizer's folder lets
+        # vLLM match rollout.stop strings
+        self.rollout = VLLMRolloutEngine.from_config(r, self.model.hf_config, tokenizer, model_path, **extra)
         self.weights_version = -1
         self.version = 0
 
