@@ -1,13 +1,14 @@
 """The ``hybridrl`` command line (also ``python -m hybridrl``).
 
     hybridrl train CONFIG [key=value ...]          (under torchrun / srun: one process per device)
-    hybridrl validate-config CONFIG [key=value ...] [--world-size N]
+    hybridrl validate-config CONFIG [key=value ...] [--world-size N] [--device-gib G] [--get KEY]
     hybridrl export CHECKPOINT OUT [--role actor] [--tp 1] [--pp 1]   (under torchrun, any number of processes)
     hybridrl version
 
 ``validate-config`` loads a config exactly as a run would (packaged name or path, overrides, every
 cross-field check), prints the resolved YAML and, per role, the parallel layout: which ranks are
-tensor/pipeline/data-parallel peers. ``export`` writes a checkpoint's actor (or critic) as an HF folder:
+tensor/pipeline/data-parallel peers, and a memory estimate; ``--get KEY`` prints only one resolved value (the
+launch scripts read trainer.n_gpus_per_node so). ``export`` writes a checkpoint's actor (or critic) as an HF folder:
 
     torchrun --nproc-per-node N -m hybridrl export ckpts/global_step_100 hf_out [--tp N]
 """
@@ -23,7 +24,8 @@ USAGE = """hybridrl <command> [args]
 
 commands:
   train CONFIG [key=value ...]             run PPO/GRPO (launch with torchrun --nproc-per-node N -m hybridrl train)
-  validate-config CONFIG [key=value ...]   check a config, print it resolved and its parallel layouts
+  validate-config CONFIG [key=value ...]   check a config, print it resolved, its parallel layouts and memory
+                                           (--get KEY: print only that resolved value)
   export CHECKPOINT OUT [--role R] [--tp N]  write a global_step_N checkpoint's model as an HF folder
                                            (launch with torchrun --nproc-per-node N -m hybridrl export)
   version                                   print the version
@@ -57,6 +59,32 @@ def layout_report(cfg, world_size: int) -> str:
     return "\n".join(lines)
 
 
+def config_value(cfg, key: str) -> str:
+    """A resolved config value as the shell wants it: scalars plain (null / true / false as in YAML), sections
+    and lists as YAML."""
+    import dataclasses
+
+    import yaml
+
+    from hybridrl.config.loader import _unknown_key  # the loader's own "did you mean" for a key
+
+    value = cfg
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(value) or part not in {f.name for f in dataclasses.fields(value)}:
+            raise _unknown_key(key, " (--get)")
+        value = getattr(value, part)
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    if isinstance(value, str):
+        return value
+    return (
+        yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=float("inf"))
+        .strip()
+        .removesuffix("\n...")
+        .strip()
+    )
+
+
 def cmd_validate_config(argv: list[str]) -> int:
     from hybridrl.config import ConfigError, load_config, to_yaml, world_size_of
 
@@ -65,6 +93,7 @@ def cmd_validate_config(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.megatron.tp_size=4")
     parser.add_argument("--world-size", type=int, default=None, help="default: trainer.nnodes * n_gpus_per_node")
     parser.add_argument("--quiet", action="store_true", help="print only the layouts and the memory estimate")
+    parser.add_argument("--get", metavar="KEY", help="print only this resolved value, e.g. trainer.n_gpus_per_node")
     parser.add_argument(
         "--device-gib",
         type=float,
@@ -82,6 +111,13 @@ def cmd_validate_config(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    if args.get is not None:
+        try:
+            print(config_value(cfg, args.get))
+        except ConfigError as err:
+            print(f"config error: {err}", file=sys.stderr)
+            return 2
+        return 0
     world = args.world_size or world_size_of(cfg)
     if not args.quiet:
         print(to_yaml(cfg))

@@ -16,7 +16,7 @@
 # needs that variable expanded on each node; it buys a fixed node order, which nothing here relies on.)
 #
 # Knobs (environment):
-#   CONFIG          config name or path                               default ppo_llama2_7b.yaml
+#   CONFIG          config name or path (from the submit folder)      default ppo_llama2_7b.yaml
 #   NNODES          nodes                                             default $SLURM_JOB_NUM_NODES (else 1)
 #   GPUS_PER_NODE   processes per node, one per GPU                   default $SLURM_GPUS_ON_NODE (else 8)
 #   MASTER_PORT     rendezvous port on the head node                  default 29500 + SLURM_JOB_ID % 1000
@@ -39,6 +39,9 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [ -f "$HERE/launch/slurm_ppo.sh" ]; then ROOT_GUESS=$HERE; else ROOT_GUESS=${SLURM_SUBMIT_DIR:-$PWD}; fi
 HYBRIDRL_ROOT=${HYBRIDRL_ROOT:-$ROOT_GUESS}
 CONFIG=${CONFIG:-ppo_llama2_7b.yaml}
+# A config file named relative to the submit folder (the batch script's working directory), made absolute
+# before the cd below (a packaged name that is not a file here stays a name).
+if [ -f "$CONFIG" ]; then CONFIG="$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")"; fi
 NNODES=${NNODES:-${SLURM_JOB_NUM_NODES:-1}}
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
 MASTER_PORT=${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}

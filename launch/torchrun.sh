@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # PPO/GRPO on one machine (a workstation, a login node, a single GPU node) or on a few nodes by hand.
 #
-#   bash launch/torchrun.sh                                   # tiny_cpu.yaml on 2 CPU ranks (or every GPU)
+#   bash launch/torchrun.sh                                   # tiny_cpu.yaml on its 2 ranks (CPU, or 2 GPUs)
 #   CONFIG=ppo_llama2_7b.yaml bash launch/torchrun.sh trainer.total_steps=10   # arguments are config overrides
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 bash launch/torchrun.sh ...        # by hand on node 1 of 2
 #   DRY_RUN=1 bash launch/torchrun.sh                         # validate and print the command only
@@ -10,8 +10,9 @@
 # override fails in seconds with a one-line "did you mean" error and nothing launched.
 #
 # Knobs (environment):
-#   CONFIG             config name or path                            default tiny_cpu.yaml
-#   NPROC              processes on this node                         default number of GPUs, else 2 (CPU)
+#   CONFIG             config name or path (from the caller's folder)  default tiny_cpu.yaml
+#   NPROC              processes on this node; "auto": one per         default the config's
+#                      visible GPU (2 CPU processes without GPUs)      trainer.n_gpus_per_node
 #   NNODES             nodes                                          default 1
 #   NODE_RANK          this node's rank                               default 0
 #   MASTER_ADDR        node 0's address                               default 127.0.0.1
@@ -24,6 +25,10 @@ set -euo pipefail
 
 HYBRIDRL_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CONFIG=${CONFIG:-tiny_cpu.yaml}
+# A config file named relative to the caller's directory, made absolute before the cd below (a packaged
+# name that is not a file here stays a name).
+if [ -f "$CONFIG" ]; then CONFIG="$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")"; fi
+NPROC=${NPROC:-}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
@@ -37,7 +42,13 @@ if [ "$HYBRIDRL_BOOTSTRAP" = 1 ]; then
   PYTHON=$HYBRIDRL_PY
 fi
 PYTHON=${PYTHON:-$HYBRIDRL_ROOT/.venv/bin/python}
-if [ -z "${NPROC:-}" ]; then
+
+cd "$HYBRIDRL_ROOT"
+[ -x "$PYTHON" ] || command -v "$PYTHON" >/dev/null 2>&1 || {
+  echo "[torchrun.sh] error: no python at $PYTHON; set PYTHON, or HYBRIDRL_BOOTSTRAP=1 to create .venv" >&2
+  exit 1
+}
+if [ "$NPROC" = auto ]; then
   GPUS=0
   if command -v nvidia-smi >/dev/null 2>&1; then GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
   if [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && [ "$GPUS" -gt 0 ]; then
@@ -45,13 +56,10 @@ if [ -z "${NPROC:-}" ]; then
     GPUS=${#VISIBLE[@]}
   fi
   if [ "$GPUS" -gt 0 ]; then NPROC=$GPUS; else NPROC=2; fi
+elif [ -z "$NPROC" ]; then
+  # The ranks the config is sized for (its batch rules assume them); a config error stops here, in one line.
+  NPROC=$("$PYTHON" -m hybridrl validate-config "$CONFIG" "trainer.nnodes=$NNODES" "$@" --get trainer.n_gpus_per_node)
 fi
-
-cd "$HYBRIDRL_ROOT"
-[ -x "$PYTHON" ] || command -v "$PYTHON" >/dev/null 2>&1 || {
-  echo "[torchrun.sh] error: no python at $PYTHON; set PYTHON, or HYBRIDRL_BOOTSTRAP=1 to create .venv" >&2
-  exit 1
-}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # ranks share the cores; torchrun would set 1 with a warning
 export CUDA_DEVICE_MAX_CONNECTIONS=1          # Megatron: one hardware queue keeps TP comm ordered (no-op on CPU)
 

@@ -34,6 +34,20 @@ def test_validate_config_error_is_one_line(capsys):
     assert "did you mean 'actor.megatron.tp_size'" in err
 
 
+def test_validate_config_get_prints_one_resolved_value(capsys):
+    """--get KEY (what launch/torchrun.sh reads NPROC with): the value after overrides and derivation only."""
+    assert (
+        main(["validate-config", "tiny_cpu.yaml", "trainer.n_gpus_per_node=4", "--get", "trainer.n_gpus_per_node"]) == 0
+    )
+    assert capsys.readouterr().out == "4\n"
+    assert main(["validate-config", "tiny_cpu.yaml", "--get", "actor.megatron.dp_size"]) == 0  # derived: 2 / tp 2
+    assert main(["validate-config", "tiny_cpu.yaml", "--get", "trainer.loggers"]) == 0
+    assert capsys.readouterr().out == "1\n[console, jsonl]\n"
+    assert main(["validate-config", "tiny_cpu.yaml", "--get", "trainer.n_gpus"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "did you mean 'trainer.n_gpus_per_node'" in err
+
+
 def test_train_config_error_is_one_line():
     """A rank of ``hybridrl train`` whose config fails its checks prints one line and exits 2, no traceback:
     tiny_cpu.yaml wants 2 ranks, this launch is 1 (RANK / WORLD_SIZE as torchrun sets them)."""

@@ -29,9 +29,24 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _bash(script: str, *args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+def _bash(
+    script: str, *args: str, env: dict[str, str], timeout: float = 120, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
     cmd = ["bash", str(ROOT / "launch" / script), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+def _fake_gpus(tmp_path: Path, count: int) -> dict[str, str]:
+    """An environment whose nvidia-smi lists ``count`` GPUs (a stand-in script first on PATH)."""
+    bin_dir = tmp_path / f"fake_bin_{count}"
+    bin_dir.mkdir(exist_ok=True)
+    lines = "".join(f"GPU {i}: NVIDIA H200 (UUID: GPU-{i})\\n" for i in range(count))
+    (bin_dir / "nvidia-smi").write_text(f'#!/usr/bin/env bash\nprintf "{lines}"\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = _env(DRY_RUN="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    return env
 
 
 def _line(stdout: str, prefix: str) -> list[str]:
@@ -92,6 +107,45 @@ def test_bad_override_fails_before_launch():
         assert result.stdout == "", (script, result.stdout)  # no command printed, nothing launched
         err = result.stderr.strip()
         assert err.count("\n") == 0 and "did you mean 'actor.megatron.tp_size'" in err, (script, err)
+
+
+def test_torchrun_nproc_is_the_configs_unless_auto(tmp_path):
+    """NPROC defaults to the config's trainer.n_gpus_per_node (tiny_cpu.yaml: 2), not to the node's 8 GPUs, whose
+    8 ranks would fail tiny's batch checks; NPROC=auto is one per visible GPU."""
+
+    def nproc(env: dict[str, str], *overrides: str) -> str:
+        result = _bash("torchrun.sh", *overrides, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        command = _line(result.stdout, "torchrun: ")
+        return command[command.index("--nproc-per-node") + 1]
+
+    eight = _fake_gpus(tmp_path, 8)
+    assert nproc(eight) == "2"
+    assert nproc(eight, "trainer.n_gpus_per_node=4") == "4"  # an override is the config too
+    assert nproc({**eight, "NPROC": "auto", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == "4"
+    assert nproc({**_fake_gpus(tmp_path, 0), "NPROC": "auto"}) == "2"  # no GPU: 2 CPU processes
+    result = _bash("torchrun.sh", env={**eight, "NPROC": "auto"})  # the reviewer's case: 8 ranks for a 2-rank config
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    assert result.stderr.strip().startswith("config error: ")
+
+
+def test_config_path_is_relative_to_the_caller(tmp_path):
+    """CONFIG=mycfg.yaml names a file in the caller's folder, although the scripts cd to the repository; a
+    packaged name that is no file there stays a name."""
+    (tmp_path / "sub").mkdir()
+    mine = tmp_path / "sub" / "mycfg.yaml"
+    mine.write_text((ROOT / "configs" / "tiny_cpu.yaml").read_text())
+    slurm = {"SLURM_JOB_NODELIST": "gpu01", "SLURM_JOB_NUM_NODES": "1", "GPUS_PER_NODE": "2"}
+    for script, extra, prefix in [("torchrun.sh", {}, "torchrun: "), ("slurm_ppo.sh", slurm, "per node: ")]:
+        for config, cwd, expected in [
+            ("mycfg.yaml", tmp_path / "sub", str(mine)),
+            ("sub/mycfg.yaml", tmp_path, str(mine)),
+            ("tiny_cpu.yaml", tmp_path, "tiny_cpu.yaml"),
+        ]:
+            result = _bash(script, env=_env(DRY_RUN="1", CONFIG=config, **extra), cwd=cwd)
+            assert result.returncode == 0, (script, config, result.stdout + result.stderr)
+            command = _line(result.stdout, prefix)
+            assert command[command.index("train") + 1] == expected, (script, config, command)
 
 
 @pytest.mark.multirank
