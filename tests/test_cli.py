@@ -18,6 +18,9 @@ def test_validate_config_layouts(capsys):
     assert "actor   tp=8 pp=4 dp=1 vpp=2 (world 32)" in out
     assert "pp peers: [0,8,16,24] [1,9,17,25]" in out
     assert "rollout vllm tp=8 replicas=4" in out
+    # sbatch --nodes=8 (slurm_ppo.sh passes trainer.nnodes=8): no per-node list pinned to 4 nodes in the way
+    assert main(["validate-config", "ppo_llama3_70b_multinode.yaml", "trainer.nnodes=8", "--quiet"]) == 0
+    assert "actor   tp=8 pp=4 dp=2 vpp=2 (world 64)" in capsys.readouterr().out
 
 
 def test_validate_config_resolves_and_overrides(capsys):
