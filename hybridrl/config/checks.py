@@ -340,6 +340,13 @@ def check_world(cfg: RunConfig, world: int) -> None:
             f"to world_size ({world}); set resources.process_on_nodes=null",
             "resources.process_on_nodes",
         )
+    if cfg.resources.max_colocate_count != 1:
+        _fail(
+            f"resources.max_colocate_count ({cfg.resources.max_colocate_count}) must be 1: the SPMD backend runs "
+            "every role in one process per device (several processes per device need a Ray backend, not built "
+            "yet); set resources.max_colocate_count=1",
+            "resources.max_colocate_count",
+        )
 
 
 def _layout(key: str, m: MegatronConfig, world: int) -> ParallelLayout:
@@ -354,6 +361,11 @@ def _layout(key: str, m: MegatronConfig, world: int) -> ParallelLayout:
 def check_layouts(cfg: RunConfig, world: int) -> None:
     """The actor's Megatron layout fits the world; other roles share it; memory options are consistent."""
     _layout("actor.megatron", cfg.actor.megatron, world)
+    t = cfg.trainer
+    for key, tp in (("actor.megatron.tp_size", cfg.actor.megatron.tp_size), ("rollout.tp_size", cfg.rollout.tp_size)):
+        if t.nnodes > 1 and t.n_gpus_per_node % tp:  # TP groups are consecutive ranks: keep them on one node
+            _fail(f"{key} ({tp}) must divide trainer.n_gpus_per_node ({t.n_gpus_per_node}): a tensor-parallel group "
+                  f"must not span nodes; lower {key}", key)  # fmt: skip
     for role in _enabled_roles(cfg):
         m, key = getattr(cfg, role).megatron, f"{role}.megatron"
         for name in LAYOUT_FIELDS:
@@ -365,11 +377,27 @@ def check_layouts(cfg: RunConfig, world: int) -> None:
                     f"{key}.{name}",
                 )
         _check_megatron_options(key, m)
+    for role in ("actor", "critic"):
+        o = getattr(cfg, role).optim
+        if o.backend == "torch" and cfg.model.dtype != "float32":
+            _fail(
+                f"{role}.optim.backend ('torch') steps fp32 parameters only and model.dtype is "
+                f"{cfg.model.dtype!r}; set {role}.optim.backend=megatron (16-bit weights, fp32 master copy) or "
+                "model.dtype=float32",
+                f"{role}.optim.backend",
+            )
 
 
 def _check_megatron_options(key: str, m: MegatronConfig) -> None:
+    for name, what in (("cp_size", "context parallelism"), ("ep_size", "expert parallelism (MoE)")):
+        if getattr(m, name) != 1:
+            _fail(f"{key}.{name} ({getattr(m, name)}) must be 1: {what} is not supported yet (dense Llama/Qwen "
+                  f"models only); set {key}.{name}=1", f"{key}.{name}")  # fmt: skip
     if m.sequence_parallel and m.tp_size == 1:
-        _fail(f"{key}.sequence_parallel (true) needs tp_size > 1 (got 1); set sequence_parallel=false", key)
+        _fail(
+            f"{key}.sequence_parallel (true) needs tp_size > 1 (got 1); set {key}.sequence_parallel=false",
+            f"{key}.sequence_parallel",
+        )
     full = m.recompute_granularity == "full"
     if full and (m.recompute_method is None or m.recompute_num_layers is None):
         _fail(
@@ -415,12 +443,24 @@ def check_batch_sizes(cfg: RunConfig, world: int) -> None:
         c = getattr(cfg, role)
         mini, micro = c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu
         if total % mini:
-            _fail(f"{role}.ppo_mini_batch_size ({mini}) must divide {step}", f"{role}.ppo_mini_batch_size")
+            _fail(f"{role}.ppo_mini_batch_size ({mini}) must divide {step}; change {role}.ppo_mini_batch_size",
+                  f"{role}.ppo_mini_batch_size")  # fmt: skip
         if mini % (micro * dp):
             _fail(
                 f"{role}.ppo_mini_batch_size ({mini}) must be divisible by {role}.ppo_micro_batch_size_per_gpu "
-                f"({micro}) * actor.megatron.dp_size ({dp}) = {micro * dp}",
+                f"({micro}) * actor.megatron.dp_size ({dp}) = {micro * dp}; lower "
+                f"{role}.ppo_micro_batch_size_per_gpu or raise {role}.ppo_mini_batch_size",
                 f"{role}.ppo_mini_batch_size",
+            )
+        m = cfg.actor.megatron
+        count = mini // (micro * dp)
+        if m.vpp_size > 1 and count % m.pp_size:  # Megatron's interleaved schedule (schedules.py, 0.16)
+            _fail(
+                f"{role}: {count} micro-batches per update ({role}.ppo_mini_batch_size {mini} / "
+                f"({role}.ppo_micro_batch_size_per_gpu {micro} * dp {dp})) must be a multiple of "
+                f"actor.megatron.pp_size ({m.pp_size}) with vpp_size {m.vpp_size}; lower "
+                f"{role}.ppo_micro_batch_size_per_gpu",
+                f"{role}.ppo_micro_batch_size_per_gpu",
             )
 
 

@@ -338,9 +338,14 @@ def forward_outputs(
     b, r = prepared["responses"].shape
     # Forward-only, so a batch that micro_batch_size does not divide (a validation tail, ReMax's greedy
     # baselines, any reference / reward-model micro-batch size) is padded with copies of its last row,
-    # whose outputs are dropped below; pipeline buffers need equal micro-batches.
+    # whose outputs are dropped below; pipeline buffers need equal micro-batches, and Megatron's interleaved
+    # (virtual pipeline) schedule a multiple of pp of them.
     micro_batch_size = max(1, min(micro_batch_size, b))
-    micro_batches = split_micro_batches(_pad_rows(prepared, (-b) % micro_batch_size), micro_batch_size)
+    count = -(-b // micro_batch_size)
+    if len(chunks) > 1:
+        pp = mpu.get_pipeline_model_parallel_world_size()
+        count = -(-count // pp) * pp
+    micro_batches = split_micro_batches(_pad_rows(prepared, count * micro_batch_size - b), micro_batch_size)
 
     def loss_func(output, micro_batch):
         outputs = head(output, micro_batch)

@@ -258,7 +258,16 @@ CASES = [
     (P7, ["critic.megatron.tp_size=1"], "critic.megatron.tp_size (1) must equal actor.megatron.tp_size (2): all roles "
      "share the actor's process groups; remove critic.megatron.tp_size"),
     (P7, ["actor.megatron.tp_size=1", "rollout.tp_size=1"],
-     "actor.megatron.sequence_parallel (true) needs tp_size > 1 (got 1); set sequence_parallel=false"),
+     "actor.megatron.sequence_parallel (true) needs tp_size > 1 (got 1); set actor.megatron.sequence_parallel=false"),
+    (P7, ["actor.megatron.cp_size=2"], "actor.megatron.cp_size (2) must be 1: context parallelism is not supported "
+     "yet (dense Llama/Qwen models only); set actor.megatron.cp_size=1"),
+    (P7, ["actor.megatron.ep_size=2"], "actor.megatron.ep_size (2) must be 1: expert parallelism (MoE) is not "
+     "supported yet (dense Llama/Qwen models only); set actor.megatron.ep_size=1"),
+    (P7, ["actor.optim.backend=torch"], "actor.optim.backend ('torch') steps fp32 parameters only and model.dtype is "
+     "'bfloat16'; set actor.optim.backend=megatron (16-bit weights, fp32 master copy) or model.dtype=float32"),
+    (P7, ["trainer.nnodes=2", "trainer.n_gpus_per_node=4", "actor.megatron.tp_size=8", "rollout.tp_size=4"],
+     "actor.megatron.tp_size (8) must divide trainer.n_gpus_per_node (4): a tensor-parallel group must not span "
+     "nodes; lower actor.megatron.tp_size"),
     (P7, ["actor.megatron.recompute_granularity=selective"],
      "actor.megatron.recompute_method ('uniform') / recompute_num_layers (1) need recompute_granularity 'full' "
      "(got 'selective'); set them to null"),
@@ -270,6 +279,9 @@ CASES = [
      "set trainer.nnodes / trainer.n_gpus_per_node to match the launch", 4),
     (P70, ["resources.process_on_nodes=[8,8,8]"], "resources.process_on_nodes ([8, 8, 8]) must list trainer.nnodes (4) "
      "positive counts summing to world_size (32); set resources.process_on_nodes=null"),
+    (TINY, ["max_colocate_count=2"], "resources.max_colocate_count (2) must be 1: the SPMD backend runs every role "
+     "in one process per device (several processes per device need a Ray backend, not built yet); set "
+     "resources.max_colocate_count=1"),
     # rollout layout
     (P7, ["rollout.tp_size=3"], "rollout.tp_size (3) must divide the world size (8)"),
     (TINY, ["trainer.n_gpus_per_node=8", "actor.megatron.pp_size=2", "rollout.tp_size=8"],
@@ -286,11 +298,18 @@ CASES = [
      "data.train_batch_size (4) must be divisible by the rollout replicas "
      "(world_size 8 / rollout.tp_size 1 = 8); change data.train_batch_size"),
     (P7, ["actor.ppo_mini_batch_size=48"],
-     "actor.ppo_mini_batch_size (48) must divide data.train_batch_size (256) * rollout.n (1) = 256 responses"),
+     "actor.ppo_mini_batch_size (48) must divide data.train_batch_size (256) * rollout.n (1) = 256 responses; "
+     "change actor.ppo_mini_batch_size"),
     (P7, ["actor.ppo_micro_batch_size_per_gpu=32"], "actor.ppo_mini_batch_size (64) must be divisible by "
-     "actor.ppo_micro_batch_size_per_gpu (32) * actor.megatron.dp_size (4) = 128"),
+     "actor.ppo_micro_batch_size_per_gpu (32) * actor.megatron.dp_size (4) = 128; lower "
+     "actor.ppo_micro_batch_size_per_gpu or raise actor.ppo_mini_batch_size"),
     (P7, ["critic.ppo_micro_batch_size_per_gpu=32"], "critic.ppo_mini_batch_size (64) must be divisible by "
-     "critic.ppo_micro_batch_size_per_gpu (32) * actor.megatron.dp_size (4) = 128"),
+     "critic.ppo_micro_batch_size_per_gpu (32) * actor.megatron.dp_size (4) = 128; lower "
+     "critic.ppo_micro_batch_size_per_gpu or raise critic.ppo_mini_batch_size"),
+    (TINY, ["actor.megatron.pp_size=2", "actor.megatron.vpp_size=2", "model.architecture.num_hidden_layers=4",
+            "trainer.n_gpus_per_node=4", "actor.ppo_micro_batch_size_per_gpu=4"],
+     "actor: 1 micro-batches per update (actor.ppo_mini_batch_size 4 / (actor.ppo_micro_batch_size_per_gpu 4 * dp 1)) "
+     "must be a multiple of actor.megatron.pp_size (2) with vpp_size 2; lower actor.ppo_micro_batch_size_per_gpu"),
     # policy loss, KL, advantages
     (TINY, ["actor.clip_ratio_low=0"], "actor.clip_ratio_low (0.0) must be in (0.0, 1.0)"),
     (TINY, ["actor.clip_ratio_high=-0.1"], "actor.clip_ratio_high (-0.1) must be positive"),

@@ -258,6 +258,9 @@ def _check_case(shape, samples, ref, layout_kw, mbs) -> dict:
     report["log_probs_diff"] = _valid_diff(lp["log_probs"], ref["log_probs"], rows)
     report["entropy_diff"] = _valid_diff(lp["entropy"], ref["entropy"], rows)
     report["gathered_rows"] = lp["log_probs"].shape[0]
+    if layout_kw.get("vpp"):  # 3 micro-batches of 3 (padded) -> 4: the interleaved schedule wants a multiple of pp
+        lp3 = compute.compute_log_probs(chunks, local, 3, TEMPERATURE, gather_dp=True)
+        report["log_probs_diff_mb3"] = _valid_diff(lp3["log_probs"], ref["log_probs"], rows)
     return report
 
 
@@ -384,6 +387,7 @@ def test_forward_only_log_probs(reports, case):
         r = rep[case]
         assert r["gathered_rows"] == len(PROMPT_LENS)
         assert r["log_probs_diff"] <= FP32_TOL and r["entropy_diff"] <= FP32_TOL, r
+        assert r.get("log_probs_diff_mb3", 0.0) <= FP32_TOL, r
 
 
 @multirank
