@@ -13,6 +13,11 @@ its output is assembled, so that after the call every rank again holds the full 
 
 Batch sizes that do not divide the DP size are padded by repeating leading rows and the padding is
 removed from the result (``DataProto.pad_to_divisor`` / ``unpad``).
+
+Devices: the trainer's loop holds its batches on the CPU (rewards, advantages and metrics are small and
+mix with CPU data: scorer results, dataset tensors). A ``DP_COMPUTE`` chunk is moved to the rank's compute
+device (its current CUDA device, else the CPU) before the method runs, and the gathered result is moved
+back to the CPU: over NCCL the gather delivers CUDA tensors whatever the sender's device was.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from hybridrl.protocol import DataProto, all_gather
@@ -90,6 +96,11 @@ def gather_from_dp(output: DataProto, dp_group: Any, pad: int) -> DataProto:
     return gathered.unpad(pad) if pad else gathered
 
 
+def compute_device() -> torch.device:
+    """Where this rank's role methods compute: its current CUDA device, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def dispatched(method: Callable, dp_size: int, dp_rank: int, dp_group: Any) -> Callable:
     """Wrap a bound registered method with its split/collect logic."""
     mode = dispatch_mode_of(method)
@@ -100,7 +111,7 @@ def dispatched(method: Callable, dp_size: int, dp_rank: int, dp_group: Any) -> C
             if not args or not isinstance(args[0], DataProto):
                 raise TypeError(f"{method.__name__} is DP_COMPUTE: its first argument must be a DataProto")
             chunk, pad = split_for_dp(args[0], dp_size, dp_rank)
-            out = method(chunk, *args[1:], **kwargs)
+            out = method(chunk.to(compute_device()), *args[1:], **kwargs)
             if not isinstance(out, DataProto):
                 return out
             # a method may return k rows per input row (generate_sequences: n samples per prompt, adjacent):
@@ -111,9 +122,11 @@ def dispatched(method: Callable, dp_size: int, dp_rank: int, dp_group: Any) -> C
                     f"{method.__name__} returned {len(out)} rows for {len(chunk)} inputs: DP_COMPUTE methods must "
                     "return a whole number of rows per input row"
                 )
-            return gather_from_dp(out, dp_group, pad * k)
+            return gather_from_dp(out, dp_group, pad * k).to("cpu")
         if mode is Dispatch.ONE_TO_ALL and dist.is_initialized() and dist.get_world_size() > 1:
             out = method(*args, **kwargs)
+            if isinstance(out, DataProto):
+                out.to("cpu")  # pickled for the broadcast: CUDA tensors would land on the sender's device index
             box = [out if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(box, src=0)
             return box[0]

@@ -99,3 +99,38 @@ def test_resource_pool_validation():
 def test_register_rejects_unknown_mode():
     with pytest.raises(ValueError, match="is not a Dispatch"):
         register("dp")
+
+
+class DeviceWorker:
+    """Records the device of the chunk it gets and answers from another device than the caller's."""
+
+    dp_size, dp_rank, dp_group = 1, 0, None
+
+    @register(Dispatch.DP_COMPUTE)
+    def where(self, data: DataProto) -> DataProto:
+        self.got = data.batch["x"].device
+        return DataProto.from_dict(tensors={"y": torch.zeros(len(data), device="meta")})
+
+
+def test_dp_compute_runs_on_the_compute_device_and_returns_cpu(monkeypatch):
+    """Chunks go to the rank's compute device (CUDA on GPU), results come back on the CPU (the trainer's side;
+    an NCCL gather returns CUDA tensors). Single process: "meta" stands in for the CUDA device."""
+    from hybridrl.workers import dispatch
+
+    monkeypatch.setattr(dispatch, "compute_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(DataProto, "to", _to_with_meta_as_cpu_source)
+    group = WorkerGroup(ResourcePool(process_on_nodes=[1]), ClassWithInitArgs(DeviceWorker))
+    out = group.where(DataProto.from_dict(tensors={"x": torch.arange(4.0)}))
+    assert group.worker.got == torch.device("meta")
+    assert out.batch["y"].device == torch.device("cpu") and out.batch["y"].shape == (4,)
+
+
+_original_to = DataProto.to
+
+
+def _to_with_meta_as_cpu_source(self, device, non_blocking=False):
+    """DataProto.to, except that meta tensors "move" to the CPU as zeros (meta holds no data to copy)."""
+    if torch.device(device).type == "cpu":
+        self.batch = {k: torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t for k, t in self.batch.items()}
+        return self
+    return _original_to(self, device, non_blocking)
