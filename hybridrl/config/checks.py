@@ -485,32 +485,54 @@ def check_algorithm_roles(cfg: RunConfig, world: int) -> None:
 
 
 def check_architecture(cfg: RunConfig, world: int) -> None:
-    """Heads, KV groups and layers split over TP / PP (only for the fields given in model.architecture)."""
-    a, m, rtp = cfg.model.architecture, cfg.actor.megatron, cfg.rollout.tp_size
-    key = "model.architecture"
-    if a.hidden_size and a.num_attention_heads and a.head_dim is None and a.hidden_size % a.num_attention_heads:
-        _fail(f"{key}.hidden_size ({a.hidden_size}) must be divisible by num_attention_heads "
-              f"({a.num_attention_heads}), or set head_dim", f"{key}.hidden_size")  # fmt: skip
-    heads, groups = a.num_attention_heads, a.num_key_value_heads or a.num_attention_heads
+    """Heads, KV groups, layers and positions split over TP / PP, for the model as far as it is known before
+    loading (:func:`hybridrl.config.memory.model_fields`: model.architecture, a local checkpoint's config.json,
+    the public shape of a packaged config's model); a separate critic checkpoint too."""
+    from hybridrl.config.memory import model_fields
+
+    _check_shape(cfg, model_fields(cfg), cfg.model.path, rollout=True)
+    critic = cfg.critic.model_path
+    if cfg.critic.enable and critic and critic != cfg.model.path:
+        _check_shape(cfg, model_fields(cfg, critic), critic, rollout=False)
+
+
+def _check_shape(cfg: RunConfig, fields: dict[str, Any], path: str | None, rollout: bool) -> None:
+    m, rtp = cfg.actor.megatron, cfg.rollout.tp_size
+    given = {k for k, v in vars(cfg.model.architecture).items() if v is not None} if path == cfg.model.path else set()
+
+    def name(field: str) -> str:  # the key a user edits, or where the value came from
+        return f"model.architecture.{field}" if field in given or path is None else f"{field} of {path}"
+
+    hidden, heads, head_dim = fields.get("hidden_size"), fields.get("num_attention_heads"), fields.get("head_dim")
+    groups = fields.get("num_key_value_heads") or heads
+    if hidden and heads and head_dim is None and hidden % heads:
+        _fail(f"{name('hidden_size')} ({hidden}) must be divisible by num_attention_heads ({heads}), or set "
+              "model.architecture.head_dim", name("hidden_size"))  # fmt: skip
     if heads and heads % m.tp_size:
-        _fail(f"{key}.num_attention_heads ({heads}) must be divisible by actor.megatron.tp_size ({m.tp_size})", key)
+        _fail(f"{name('num_attention_heads')} ({heads}) must be divisible by actor.megatron.tp_size ({m.tp_size}); "
+              "choose a tp_size that divides it", "actor.megatron.tp_size")  # fmt: skip
     if heads and groups and heads % groups:
-        _fail(f"{key}.num_attention_heads ({heads}) must be divisible by num_key_value_heads ({groups})", key)
+        _fail(f"{name('num_attention_heads')} ({heads}) must be divisible by num_key_value_heads ({groups})",
+              name("num_key_value_heads"))  # fmt: skip
     if groups and groups % m.tp_size:
-        _fail(f"{key}.num_key_value_heads ({groups}) must be divisible by actor.megatron.tp_size ({m.tp_size})", key)
-    if heads and heads % rtp:
-        _fail(f"{key}.num_attention_heads ({heads}) must be divisible by rollout.tp_size ({rtp})", key)
-    if groups and groups % rtp and rtp % groups:
-        _fail(f"{key}.num_key_value_heads ({groups}) and rollout.tp_size ({rtp}) must divide one another", key)
-    positions, length = a.max_position_embeddings, cfg.rollout.max_model_len
-    if positions and positions < length:
-        _fail(f"{key}.max_position_embeddings ({positions}) must be >= rollout.max_model_len ({length})", key)
-    stages = m.pp_size * m.vpp_size
-    if a.num_hidden_layers and a.num_hidden_layers % stages:
+        _fail(f"{name('num_key_value_heads')} ({groups}) must be divisible by actor.megatron.tp_size ({m.tp_size}); "
+              "choose a tp_size that divides it", "actor.megatron.tp_size")  # fmt: skip
+    if rollout and heads and heads % rtp:
+        _fail(f"{name('num_attention_heads')} ({heads}) must be divisible by rollout.tp_size ({rtp}); choose a "
+              "rollout.tp_size that divides it", "rollout.tp_size")  # fmt: skip
+    if rollout and groups and groups % rtp and rtp % groups:
+        _fail(f"{name('num_key_value_heads')} ({groups}) and rollout.tp_size ({rtp}) must divide one another",
+              "rollout.tp_size")  # fmt: skip
+    positions, length = fields.get("max_position_embeddings"), cfg.rollout.max_model_len
+    if rollout and positions and positions < length:
+        _fail(f"{name('max_position_embeddings')} ({positions}) must be >= rollout.max_model_len ({length}); lower "
+              "data.max_prompt_length + data.max_response_length", "rollout.max_model_len")  # fmt: skip
+    stages, layers = m.pp_size * m.vpp_size, fields.get("num_hidden_layers")
+    if layers and layers % stages:
         _fail(
-            f"{key}.num_hidden_layers ({a.num_hidden_layers}) must be divisible by actor.megatron.pp_size "
-            f"({m.pp_size}) * vpp_size ({m.vpp_size}) = {stages}",
-            f"{key}.num_hidden_layers",
+            f"{name('num_hidden_layers')} ({layers}) must be divisible by actor.megatron.pp_size ({m.pp_size}) * "
+            f"vpp_size ({m.vpp_size}) = {stages}; choose sizes that divide it",
+            "actor.megatron.pp_size",
         )
 
 

@@ -31,13 +31,13 @@ GIB = 2**30
 # that a config can be sized on a login node without the weights. A local model.path always wins.
 KNOWN_SHAPES = {
     "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=32),
+                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
     "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                      num_attention_heads=28, num_key_value_heads=4),
     "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8),
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192),
     "llama-3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                        num_attention_heads=64, num_key_value_heads=8),
+                        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192),
 }  # fmt: skip
 
 
@@ -60,8 +60,9 @@ class Arch:
         return self.layers * per_layer, embed
 
 
-def architecture(cfg: Any, path: str | None = None) -> Arch | None:
-    """The model's shape from the config (and a local checkpoint's config.json); None when unknown.
+def model_fields(cfg: Any, path: str | None = None) -> dict[str, Any]:
+    """The model's config.json fields as far as known before loading: a packaged config's public shape
+    (:data:`KNOWN_SHAPES`), a local checkpoint's ``config.json``, then ``model.architecture`` overrides.
 
     ``path`` defaults to ``model.path``; another path (a separate critic) ignores ``model.architecture``.
     """
@@ -76,6 +77,12 @@ def architecture(cfg: Any, path: str | None = None) -> Arch | None:
             fields.update(json.load(f))
     if own:
         fields.update({k: v for k, v in vars(cfg.model.architecture).items() if v is not None})
+    return fields
+
+
+def architecture(cfg: Any, path: str | None = None) -> Arch | None:
+    """The model's shape (:func:`model_fields`); None when unknown."""
+    fields = model_fields(cfg, path)
     need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     if any(fields.get(k) is None for k in need):
         return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -285,7 +286,8 @@ CASES = [
     # rollout layout
     (P7, ["rollout.tp_size=3"], "rollout.tp_size (3) must divide the world size (8)"),
     (TINY, ["trainer.n_gpus_per_node=8", "actor.megatron.pp_size=2", "rollout.tp_size=8"],
-     "model.architecture.num_attention_heads (4) must be divisible by rollout.tp_size (8)"),
+     "model.architecture.num_attention_heads (4) must be divisible by rollout.tp_size (8); choose a rollout.tp_size "
+     "that divides it"),
     # batch sizes
     (P7, ["data.train_batch_size=30"], "data.train_batch_size (30) * rollout.n (1) = 30 responses must be divisible "
      "by actor.megatron.dp_size (4); change data.train_batch_size"),
@@ -362,13 +364,22 @@ CASES = [
      "(got 'path'); set both or neither"),
     # architecture vs layout
     (TINY, ["model.architecture.num_attention_heads=3"], "model.architecture.hidden_size (128) must be divisible by "
-     "num_attention_heads (3), or set head_dim"),
+     "num_attention_heads (3), or set model.architecture.head_dim"),
     (TINY, ["model.architecture.num_key_value_heads=1"],
-     "model.architecture.num_key_value_heads (1) must be divisible by actor.megatron.tp_size (2)"),
+     "model.architecture.num_key_value_heads (1) must be divisible by actor.megatron.tp_size (2); choose a tp_size "
+     "that divides it"),
     (TINY, ["actor.megatron.tp_size=1", "actor.megatron.pp_size=2", "model.architecture.num_hidden_layers=3"],
-     "model.architecture.num_hidden_layers (3) must be divisible by actor.megatron.pp_size (2) * vpp_size (1) = 2"),
+     "model.architecture.num_hidden_layers (3) must be divisible by actor.megatron.pp_size (2) * vpp_size (1) = 2; "
+     "choose sizes that divide it"),
     (TINY, ["model.architecture.max_position_embeddings=16"],
-     "model.architecture.max_position_embeddings (16) must be >= rollout.max_model_len (32)"),
+     "model.architecture.max_position_embeddings (16) must be >= rollout.max_model_len (32); lower "
+     "data.max_prompt_length + data.max_response_length"),
+    # the checkpoint's own shape when model.path is set (packaged configs name public checkpoints: their known
+    # shapes; a local folder: its config.json)
+    (G7, ["actor.megatron.tp_size=8", "rollout.tp_size=8"], "num_attention_heads of Qwen/Qwen2-7B-Instruct (28) must "
+     "be divisible by actor.megatron.tp_size (8); choose a tp_size that divides it"),
+    (P7, ["data.max_prompt_length=4096"], "max_position_embeddings of meta-llama/Llama-2-7b-hf (4096) must be >= "
+     "rollout.max_model_len (4608); lower data.max_prompt_length + data.max_response_length"),
 ]  # fmt: skip
 
 
@@ -432,3 +443,20 @@ def test_text_overrides_stay_text_and_home_paths_expand(monkeypatch, tmp_path):
         cfg.data.train_files == [f"{tmp_path}/data/a.jsonl"] and cfg.trainer.default_local_dir == f"{tmp_path}/runs/x"
     )
     assert load_config("tiny_cpu.yaml", ["rollout.temperature=0.5"], world_size=2).rollout.temperature == 0.5
+
+
+def test_local_checkpoint_shape_is_checked(tmp_path):
+    """model.path / critic.model_path folders: their config.json's head count meets the TP sizes before launch."""
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"num_attention_heads": 5, "hidden_size": 320, "num_hidden_layers": 4}))
+    assert _error(P7, [f"model.path={odd}"]) == (
+        f"num_attention_heads of {odd} (5) must be divisible by actor.megatron.tp_size (2); choose a tp_size that "
+        "divides it"
+    )
+    assert _error(P7, [f"critic.model_path={odd}"]) == (
+        f"num_attention_heads of {odd} (5) must be divisible by actor.megatron.tp_size (2); choose a tp_size that "
+        "divides it"
+    )
+    # model.architecture next to model.path overrides the checkpoint (the run applies it the same way)
+    load_config(P7, [f"model.path={odd}", "model.architecture.num_attention_heads=4"])
