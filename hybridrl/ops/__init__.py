@@ -8,6 +8,8 @@ GPU; the installed ``hybridrl._reshard`` or a JIT build of csrc/, see :mod:`hybr
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -24,8 +26,20 @@ def native_available() -> bool:
 def _native_for(src: torch.Tensor):
     ext = native_module()
     if ext is None or not (src.device.type == "cpu" or (src.device.type == "cuda" and ext.with_cuda)):
+        if ext is not None and src.device.type == "cuda":
+            _warn_no_cuda_kernel()
         return None
     return ext
+
+
+@functools.cache
+def _warn_no_cuda_kernel() -> None:
+    warnings.warn(
+        "the native reshard kernel has no CUDA build here: CUDA switches run one PyTorch copy per block (a 70B "
+        "switch has millions); build csrc/ with nvcc on a GPU machine (pip install -e . --no-build-isolation)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def block_copy(src: torch.Tensor, dst: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:

@@ -53,13 +53,33 @@ def _jit_build() -> ModuleType:
     )
 
 
+def _cuda_buildable() -> bool:
+    import torch
+    from torch.utils import cpp_extension
+
+    return torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
+
+
 @functools.cache
 def load() -> ModuleType:
-    """The extension module (``block_copy``, ``with_cuda``); builds ``csrc/`` the first time; raises on failure."""
+    """The extension module (``block_copy``, ``with_cuda``); builds ``csrc/`` the first time; raises on failure.
+
+    An installed ``hybridrl._reshard`` built without CUDA (``pip install`` on a login node without a GPU) is
+    replaced by a JIT build with the CUDA kernel where this machine has a GPU and nvcc: the CPU-only build
+    would leave every CUDA switch to per-block PyTorch copies.
+    """
     try:
-        return importlib.import_module("hybridrl._reshard")
+        installed = importlib.import_module("hybridrl._reshard")
     except ImportError:
         return _jit_build()
+    if installed.with_cuda or not _cuda_buildable() or not (CSRC / "bindings.cpp").exists():
+        return installed
+    try:
+        return _jit_build()
+    except Exception as exc:
+        warnings.warn(f"hybridrl._reshard was built without CUDA and building csrc/ with CUDA failed ({exc}); "
+                      "CUDA switches use per-block PyTorch copies", RuntimeWarning, stacklevel=2)  # fmt: skip
+        return installed
 
 
 @functools.cache

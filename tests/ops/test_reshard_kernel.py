@@ -265,6 +265,31 @@ def find_nvcc() -> str | None:
     return str(candidates[0]) if candidates else None
 
 
+def test_cpu_only_build_is_replaced_or_reported_on_cuda(monkeypatch):
+    """An installed extension without CUDA: rebuilt with CUDA where the machine can, else CUDA tensors fall
+    back to the reference with a warning, not silently."""
+    import types
+
+    from hybridrl.ops import _native
+
+    cpu_only = types.SimpleNamespace(with_cuda=False)
+    with_cuda = types.SimpleNamespace(with_cuda=True)
+    monkeypatch.setattr(_native.importlib, "import_module", lambda name: cpu_only)
+    monkeypatch.setattr(_native, "_jit_build", lambda: with_cuda)
+    for buildable, expected in ((True, with_cuda), (False, cpu_only)):
+        monkeypatch.setattr(_native, "_cuda_buildable", lambda b=buildable: b)
+        _native.load.cache_clear()
+        assert _native.load() is expected
+    _native.load.cache_clear()
+    monkeypatch.undo()
+    monkeypatch.setattr(ops, "native_module", lambda: cpu_only)
+    ops._warn_no_cuda_kernel.cache_clear()
+    fake_cuda_src = types.SimpleNamespace(device=torch.device("cuda", 0))
+    with pytest.warns(RuntimeWarning, match="no CUDA build here"):
+        assert ops._native_for(fake_cuda_src) is None
+    assert ops._native_for(torch.zeros(1)) is cpu_only
+
+
 def test_cuda_sources_compile(tmp_path):
     """No GPU here: compile reshard_cuda.cu for sm_90 and type-check bindings.cpp's CUDA path (torch headers)."""
     nvcc = find_nvcc()
