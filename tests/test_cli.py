@@ -117,6 +117,45 @@ def test_model_paths_resolve_folders_and_explain_hub_failures(tmp_path, monkeypa
     )
 
 
+def _hub_body(rank: int, world: int, local_ranks: list[int], cache: str, fail_on: int) -> dict:
+    import os
+
+    import huggingface_hub
+
+    os.environ["LOCAL_RANK"] = str(local_ranks[rank])
+    online = []
+
+    def fake_download(repo_id, allow_patterns, local_files_only):  # records who went online
+        if not local_files_only:
+            online.append(rank)
+            if rank == fail_on:
+                raise OSError("disk full\nmore")
+        return os.path.join(cache, repo_id)
+
+    huggingface_hub.snapshot_download = fake_download
+    from hybridrl.trainer.main import resolve_checkpoint
+
+    try:
+        return {"path": resolve_checkpoint("org/model", "model.path"), "online": online}
+    except ValueError as e:
+        return {"error": str(e), "online": online}
+
+
+@pytest.mark.multirank
+def test_hub_checkpoints_download_once_per_node(tmp_path):
+    """Local rank 0 of each node downloads, the others read the cache; a failure on any node fails every rank."""
+    from tests.multirank import run_ranks
+
+    one_node = run_ranks(_hub_body, 2, [0, 1], str(tmp_path), -1)
+    assert [r["online"] for r in one_node] == [[0], []]
+    assert [r["path"] for r in one_node] == [str(tmp_path / "org/model")] * 2
+    two_nodes = run_ranks(_hub_body, 2, [0, 0], str(tmp_path), 1)
+    assert [r["online"] for r in two_nodes] == [[0], [1]]
+    for r in two_nodes:
+        assert r["error"].startswith("model.path ('org/model') is not a local folder and downloading it from the "
+                                     "Hugging Face Hub failed (OSError: disk full); download it first")  # fmt: skip
+
+
 def test_architecture_overrides_make_a_linked_model_folder(tmp_path):
     """model.architecture fields next to model.path override its config.json: a new folder with the edited
     config and links to the same weights; nothing to override gives the checkpoint folder itself."""

@@ -78,8 +78,9 @@ def detect_env(environ: Mapping[str, str] | None = None) -> ProcessEnv:
     port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
         local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
+        # without LOCAL_RANK (a hand-rolled launcher): ranks fill nodes in order, as torchrun and srun place them
+        local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank % max(1, local_world)
         addr, launcher = env.get("MASTER_ADDR", "127.0.0.1"), "torchrun"
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")

@@ -9,6 +9,7 @@ tokenizer (the demo task when ``data.demo_task``) -> role workers -> ``fit()``.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import re
@@ -91,9 +92,11 @@ HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "token
 
 
 def resolve_checkpoint(path: str, key: str) -> str:
-    """A local folder as is; a Hugging Face Hub name (``org/name``, no such folder here) is downloaded once
-    (rank 0 first, the other ranks then read the cache) and its snapshot folder returned. Collective when it
-    downloads. Errors name the key and the fix in one line."""
+    """A local folder as is; a Hugging Face Hub name (``org/name``, no such folder here) is downloaded once per
+    node (by its local rank 0: caches are often node-local; on a shared one the hub's file locks serialise
+    them), the other ranks then read their node's cache, and the snapshot folder is returned. Collective when
+    it downloads, over a gloo group without the run's collective timeout (a first download of a 70B checkpoint
+    outlasts it). Errors name the key and the fix in one line."""
     if os.path.isdir(path):
         return path
     if not HUB_NAME.fullmatch(path):
@@ -103,19 +106,22 @@ def resolve_checkpoint(path: str, key: str) -> str:
     def fetch(offline: bool) -> str:
         return snapshot_download(repo_id=path, allow_patterns=HUB_FILES, local_files_only=offline)
 
-    error: list[str | None] = [None]
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if rank0:
+    error: str | None = None
+    if detect_env().local_rank == 0:
         try:
             fetch(offline=False)
         except Exception as exc:  # offline, unknown repo, gated model, no disk: all end the same way
-            error[0] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
     if dist.is_initialized():
-        dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error, group=group)
+        dist.destroy_process_group(group)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
         raise ValueError(
             f"{key} ({path!r}) is not a local folder and downloading it from the Hugging Face Hub failed "
-            f"({error[0]}); download it first (huggingface-cli download {path} --local-dir DIR) and set {key}=DIR"
+            f"({error}); download it first (huggingface-cli download {path} --local-dir DIR) and set {key}=DIR"
         )
     return fetch(offline=True)
 

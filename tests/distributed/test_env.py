@@ -37,6 +37,14 @@ def test_torchrun_env():
     assert (env.master_addr, env.master_port, env.launcher) == ("n0", 1234, "torchrun")
 
 
+def test_local_rank_without_local_rank_variable():
+    """A launcher that sets only RANK / WORLD_SIZE / LOCAL_WORLD_SIZE: rank 9 of 4-rank nodes is local rank 1 (was 9:
+    set_device(9) on an 8-GPU node)."""
+    env = detect_env({"RANK": "9", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "4"})
+    assert (env.local_rank, env.local_world_size) == (1, 4)
+    assert detect_env({"RANK": "1", "WORLD_SIZE": "2"}).local_rank == 1  # one node
+
+
 def test_slurm_env_uses_first_node_of_job():
     env = detect_env(
         {
