@@ -147,7 +147,7 @@ def _check_schemas(headers: list[dict[str, Any]]) -> None:
                     f"all_gather: rank {r} sends tensor {k!r} as {_describe(fields.get(k))}, but rank 0 as "
                     f"{_describe(ref.get(k))}; every rank must send the same fields"
                 )
-        if list(h["non_tensor_batch"]) != ref_arrays:
+        if sorted(h["non_tensor_batch"]) != sorted(ref_arrays):  # any insertion order (concat reads by name)
             raise ValueError(
                 f"all_gather: rank {r} sends non-tensor keys {list(h['non_tensor_batch'])}, but rank 0 sends "
                 f"{ref_arrays}; every rank must send the same fields"

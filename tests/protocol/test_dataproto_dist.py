@@ -111,7 +111,11 @@ def _body(rank: int, world: int) -> bytes:
     mine = full.chunk(world)[rank]
     keys = list(mine.batch.keys())
     order = keys[::-1] if rank % 2 else keys
-    out["gather_reordered"] = all_gather(DataProto({k: mine.batch[k] for k in order}, mine.non_tensor_batch))
+    arrays = list(mine.non_tensor_batch)
+    arrays = arrays[::-1] if rank % 2 else arrays
+    out["gather_reordered"] = all_gather(
+        DataProto({k: mine.batch[k] for k in order}, {k: mine.non_tensor_batch[k] for k in arrays})
+    )
 
     odd = full[: 2 * world + 1]
     out["scatter_error"] = _capture(lambda: scatter(odd if rank == 0 else None))
@@ -172,6 +176,9 @@ def test_all_gather_reads_each_rank_in_its_own_field_order(ranks):
     for res in results:
         for key in full.batch:
             assert torch.equal(res["gather_reordered"].batch[key], full.batch[key]), key
+        for key in full.non_tensor_batch:
+            got, want = res["gather_reordered"].non_tensor_batch[key], full.non_tensor_batch[key]
+            assert repr(got.tolist()) == repr(want.tolist()), key
 
 
 def test_errors_are_raised_on_every_rank(ranks):
