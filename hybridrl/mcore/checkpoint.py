@@ -39,7 +39,7 @@ from megatron.core.tensor_parallel import random as mrandom
 
 from hybridrl.mcore import gpt, hf_config
 from hybridrl.mcore.optimizer import MegatronOptimizer
-from hybridrl.mcore.roles import RoleModel, ValueHead
+from hybridrl.mcore.roles import RoleModel, score_model_chunks
 
 
 def layout_signature() -> dict[str, int]:
@@ -146,7 +146,8 @@ def load_role(model: RoleModel, optimizer: Any, path: str) -> bool:
             "weights loaded exactly, Adam moments restart from zero (the LR schedule continues)",
             stacklevel=2,
         )
-    ok = torch.tensor([int(same)])
+    nccl = dist.get_backend() == "nccl"  # it reduces device tensors only
+    ok = torch.tensor([int(same)], device=torch.cuda.current_device() if nccl else "cpu")
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # all ranks restore, or none do
     if ok.item():
         optimizer.optimizer.load_state_dict(saved["optimizer"])
@@ -160,12 +161,7 @@ def build_from_checkpoint(role_dir: str, role: str = "actor", dtype: torch.dtype
     shape, config = hf_config.from_hf(hf, dtype)
     head = "score" if role in ("critic", "reward") else "lm"
     if head == "score":
-        import dataclasses
-
-        chunks = gpt.build_model_chunks(dataclasses.replace(shape, tie_embeddings=False), config)
-        for chunk in chunks:
-            if chunk.post_process:
-                chunk.output_layer = ValueHead(shape.hidden_size, dtype)
+        chunks = score_model_chunks(shape, config, dtype)
     else:
         chunks = gpt.build_model_chunks(shape, config)
     load_model(chunks, os.path.join(role_dir, "model"))

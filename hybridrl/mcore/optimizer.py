@@ -219,8 +219,10 @@ class TorchOptimizer(_Checkpointable):
                 grads[i].copy_(piece.view_as(grads[i]))
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        device = self.params[0].device if self.params else torch.device("cpu")  # NCCL reduces device tensors only
         norms = torch.stack(torch._foreach_norm(grads)).double() if grads else torch.zeros(0, dtype=torch.float64)
-        counted = torch.tensor(self._counted, dtype=torch.bool)
+        norms = norms.to(device)
+        counted = torch.tensor(self._counted, dtype=torch.bool, device=device)
         stats = torch.stack([norms[counted].pow(2).sum(), (~torch.isfinite(norms)).sum().double()])
         group = mpu.get_model_parallel_group()
         if dist.get_world_size(group) > 1:

@@ -45,11 +45,33 @@ class ValueHead(torch.nn.Module):
     def __init__(self, hidden_size: int, dtype: torch.dtype, init_std: float = 0.0) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.sequence_parallel = False  # set by the builder from the model's TransformerConfig
         if init_std > 0:
             torch.nn.init.normal_(self.weight, std=init_std)
 
     def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
+        if self.sequence_parallel:
+            # under sequence parallelism the decoder's output holds this TP rank's s/tp positions (Megatron's own
+            # output layer gathers them): gather the full sequence so that every TP rank computes all values and
+            # the same head gradient (the gather's backward hands each rank its slice of the hidden grad)
+            from megatron.core import tensor_parallel
+
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return torch.matmul(hidden, self.weight.t()), None
+
+
+def score_model_chunks(shape: gpt.GPTShape, config: Any, dtype: torch.dtype, init_std: float = 0.0) -> list:
+    """Model chunks with a scalar :class:`ValueHead` instead of the LM head (critic, reward model): built
+    untied, then the last stage's vocab output layer is swapped for the head, on its device, with the
+    model's sequence parallelism and the same initial weight on every TP rank."""
+    chunks = gpt.build_model_chunks(dataclasses.replace(shape, tie_embeddings=False), config)
+    for chunk in chunks:
+        if chunk.post_process:
+            head = ValueHead(shape.hidden_size, dtype, init_std).to(chunk.decoder.final_layernorm.weight.device)
+            head.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+            chunk.output_layer = head
+            _sync_over_tp(head.weight)
+    return chunks
 
 
 @dataclass
@@ -143,13 +165,7 @@ def _build(
     ckpt = bridge.HFCheckpoint(path)
     bridge.validate(ckpt, shape, mpu.get_tensor_model_parallel_world_size(), head=head, optional=optional)
     if head == "score":
-        # No LM head: built untied, then the vocab output layer is swapped for the scalar head.
-        chunks = gpt.build_model_chunks(dataclasses.replace(shape, tie_embeddings=False), config)
-        for chunk in chunks:
-            if chunk.post_process:
-                device = chunk.decoder.final_layernorm.weight.device
-                chunk.output_layer = ValueHead(shape.hidden_size, dtype, value_head_std).to(device)
-                _sync_over_tp(chunk.output_layer.weight)
+        chunks = score_model_chunks(shape, config, dtype, value_head_std)
     else:
         chunks = gpt.build_model_chunks(shape, config)
     bridge.load(chunks, shape, ckpt, head=head, optional=optional)

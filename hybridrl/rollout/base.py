@@ -139,6 +139,8 @@ def pack_rollout(
         resp[i, :k] = torch.as_tensor(list(tokens), dtype=prompt_ids.dtype)
         resp_mask[i, :k] = 1
         resp_lp[i, :k] = torch.as_tensor(list(lps), dtype=torch.float32)
+    # rows are filled on the host (one device copy per tensor, not per row), then join the prompts' device
+    resp, resp_mask, resp_lp = (t.to(prompt_ids.device) for t in (resp, resp_mask, resp_lp))
     attention_mask = torch.cat([prompt_mask, resp_mask], dim=1)
     rest = prompts.select([k for k in prompts.batch if k not in ROLLOUT_KEYS]).repeat(n, interleave=True)
     reasons = np.empty(total, dtype=object)

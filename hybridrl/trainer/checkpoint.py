@@ -88,7 +88,8 @@ class CheckpointManager:
             os.makedirs(tmp)
         dist.barrier()
         for name, group in self._roles(trainer):
-            mckpt.save_role(group.worker.model, group.worker.optimizer, os.path.join(tmp, name))
+            with group.worker.resident():  # an offloaded critic is parked between its updates
+                mckpt.save_role(group.worker.model, group.worker.optimizer, os.path.join(tmp, name))
         torch.save(mckpt.rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
         dist.barrier()  # every rank's files are written
         if rank == 0:

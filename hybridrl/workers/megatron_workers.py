@@ -13,8 +13,10 @@ data-parallel ranks and gathers the results (see :mod:`hybridrl.workers.dispatch
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -102,6 +104,11 @@ class _TrainedRole:
     def _setup_dp(self) -> None:
         self.dp_size, self.dp_rank, self.dp_group = data_parallel_info()
 
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """Weights and optimizer state on the device for the block (a checkpoint save reads them)."""
+        yield
+
     def _train(
         self, data: DataProto, mini_batch: int, epochs: int, seed: int, step_fn, shuffle: bool = True
     ) -> dict[str, float]:
@@ -155,6 +162,11 @@ class ActorRolloutWorker(_TrainedRole):
     def sync_rollout_weights(self) -> dict[str, float]:
         """Training -> generation layout (bucketed reshard) and push into vLLM (skipped when vLLM already
         holds this version); wakes a sleeping engine (weights first, then the KV cache)."""
+        if torch.cuda.is_available():
+            # vLLM maps its weights and KV cache outside PyTorch's allocator: blocks PyTorch keeps cached from the
+            # updates (activations, logits) must go back to the driver first
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         self.rollout.wake_up(tags=["weights"])
         if self.weights_version == self.version:
             self.rollout.wake_up(tags=["kv_cache"])
@@ -291,6 +303,16 @@ class CriticWorker(_TrainedRole):
         if c.param_offload:
             move_model_weights(self.optimizer, self.model, to_host=True)
 
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """Weights and optimizer state home for the block (a checkpoint save reads them; parked Megatron DDP
+        buffers are zero-size storage), parked again after."""
+        self._bring_back()
+        try:
+            yield
+        finally:
+            self._park()
+
     @register(Dispatch.DP_COMPUTE)
     def compute_values(self, data: DataProto) -> DataProto:
         self._bring_back()
@@ -374,7 +396,7 @@ class RewardModelWorker:
         # score belongs to the last token itself, so the batch gets one more (padding) response column and
         # the score is read at index n (the response length): the output at the last valid token.
         b = data.batch
-        pad = torch.zeros(len(data), 1, dtype=b["input_ids"].dtype)
+        pad = torch.zeros(len(data), 1, dtype=b["input_ids"].dtype, device=b["input_ids"].device)
         lengths = b["response_mask"].sum(1).long()
         batch = {
             "input_ids": torch.cat([b["input_ids"], pad], 1),
@@ -385,7 +407,9 @@ class RewardModelWorker:
         values = compute.compute_values(self.model.chunks, batch, mbs)
         if offloaded:
             self.model.offload()
-        return DataProto.from_dict(tensors={"rm_scores": values[torch.arange(len(data)), lengths]})
+        return DataProto.from_dict(
+            tensors={"rm_scores": values[torch.arange(len(data), device=values.device), lengths]}
+        )
 
 
 def _param_norm(params) -> float:

@@ -152,3 +152,37 @@ def test_reward_model(report):
         assert r["rm_frozen"] == (False, False)
         assert (r["rm_values"] - ref).abs().max().item() <= TOL
         assert "tensor score.weight is missing" in r["rm_error"]
+
+
+def _sp_head_body(rank: int, world_size: int) -> dict:
+    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.mcore.roles import ValueHead
+
+    init_model_parallel(ParallelLayout.from_world(world_size, tp=world_size))
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(8, 3, 16, generator=gen)  # (s, b, h)
+    head = ValueHead(16, torch.float32, init_std=0.5)
+    head.weight.data = torch.randn(1, 16, generator=gen)  # the same on every rank (same seed)
+    head.sequence_parallel = True
+    mine = full.chunk(world_size)[rank].clone().requires_grad_(True)  # this rank's s/tp positions
+    values, _ = head(mine)
+    values.square().sum().backward()
+    ref_w = head.weight.detach().clone().requires_grad_(True)
+    ref_h = full.clone().requires_grad_(True)
+    ref = torch.matmul(ref_h, ref_w.t())
+    ref.square().sum().backward()
+    return {
+        "values": (values - ref).abs().max().item(),
+        "weight_grad": (head.weight.grad - ref_w.grad).abs().max().item(),
+        "hidden_grad": (mine.grad - ref_h.grad.chunk(world_size)[rank]).abs().max().item(),
+        "shape": list(values.shape),
+    }
+
+
+@pytest.mark.multirank
+def test_value_head_gathers_the_sequence_parallel_region():
+    """Under sequence parallelism each TP rank holds s/tp positions; the head gathers them: full values, the
+    full head gradient on every rank (no TP all-reduce needed) and each rank's slice of the hidden gradient."""
+    for r in run_ranks(_sp_head_body, 2, timeout=300):
+        assert r["shape"] == [8, 3, 1], r
+        assert r["values"] <= 1e-6 and r["weight_grad"] <= 1e-5 and r["hidden_grad"] <= 1e-6, r
