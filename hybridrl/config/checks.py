@@ -377,6 +377,14 @@ def check_layouts(cfg: RunConfig, world: int) -> None:
                     f"{key}.{name}",
                 )
         _check_megatron_options(key, m)
+        seq = cfg.data.max_prompt_length + cfg.data.max_response_length  # every batch's width (prompts left-padded)
+        if m.sequence_parallel and seq % m.tp_size:
+            _fail(
+                f"{key}.sequence_parallel (true) splits each sequence over tp_size ({m.tp_size}), and "
+                f"data.max_prompt_length + data.max_response_length = {seq} is not divisible by it; change "
+                "data.max_prompt_length",
+                "data.max_prompt_length",
+            )
     for role in ("actor", "critic"):
         o = getattr(cfg, role).optim
         if o.backend == "torch" and cfg.model.dtype != "float32":

@@ -118,6 +118,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Pr
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(penv.local_rank)
+    # torchrun's variables for a plain srun launch too: vLLM's external_launcher executor reads RANK,
+    # LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment
+    for key, value in (("RANK", penv.rank), ("LOCAL_RANK", penv.local_rank), ("WORLD_SIZE", penv.world_size),
+                       ("LOCAL_WORLD_SIZE", penv.local_world_size), ("MASTER_ADDR", penv.master_addr),
+                       ("MASTER_PORT", penv.master_port)):  # fmt: skip
+        os.environ.setdefault(key, str(value))
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{penv.master_addr}:{penv.master_port}",

@@ -260,6 +260,9 @@ CASES = [
      "share the actor's process groups; remove critic.megatron.tp_size"),
     (P7, ["actor.megatron.tp_size=1", "rollout.tp_size=1"],
      "actor.megatron.sequence_parallel (true) needs tp_size > 1 (got 1); set actor.megatron.sequence_parallel=false"),
+    (P7, ["data.max_prompt_length=511"], "actor.megatron.sequence_parallel (true) splits each sequence over tp_size "
+     "(2), and data.max_prompt_length + data.max_response_length = 1023 is not divisible by it; change "
+     "data.max_prompt_length"),
     (P7, ["actor.megatron.cp_size=2"], "actor.megatron.cp_size (2) must be 1: context parallelism is not supported "
      "yet (dense Llama/Qwen models only); set actor.megatron.cp_size=1"),
     (P7, ["actor.megatron.ep_size=2"], "actor.megatron.ep_size (2) must be 1: expert parallelism (MoE) is not "

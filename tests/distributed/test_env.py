@@ -122,3 +122,26 @@ def _single_body(rank, world_size):
 @pytest.mark.multirank
 def test_single_rank_gloo():
     assert run_ranks(_single_body, 1) == [(1, 3.0)]
+
+
+def test_srun_launch_exports_torchrun_variables():
+    """A plain srun launch (no torchrun) gets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* exported: vLLM's
+    external_launcher executor reads them from the environment."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env.update(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID="0", SLURM_JOB_NODELIST="localhost",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    code = (
+        "import os; from hybridrl.distributed import init_distributed; init_distributed('gloo'); "
+        "print(*(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "0", "1", "127.0.0.1", str(port)]
