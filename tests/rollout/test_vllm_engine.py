@@ -355,3 +355,13 @@ def test_start_up_memory_refusal_is_explained():
     assert hint.startswith("rollout.gpu_memory_utilization (0.5) asks vLLM for more than this GPU has free")
     assert "(about 0.24 fits now)" in hint and "actor.optimizer_offload" in hint
     assert explain_start_error("some other vLLM error", 0.5) is None
+
+
+def test_pack_rollout_follows_the_prompts_device():
+    """Dispatch hands generate_sequences its prompts on the compute device (CUDA on GPU): the packed rollout
+    lives there too ("meta" stands in for CUDA; mixing devices in the concatenation raised before)."""
+    from hybridrl.rollout.base import pack_rollout
+
+    prompts = DataProto({"input_ids": torch.tensor([[0, 5, 6]]), "attention_mask": torch.tensor([[0, 1, 1]])})
+    out = pack_rollout(prompts.to("meta"), 1, [[7, 8]], [[-0.1, -0.2]], ["stop"], response_length=4, pad_token_id=0)
+    assert {t.device.type for t in out.batch.values()} == {"meta"}
