@@ -27,6 +27,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import ModuleSpec, TransformerConfig
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from hybridrl.mcore import cpu_compat
 from hybridrl.mcore.parallel_state import p2p_settings
@@ -162,15 +164,23 @@ def build_model_chunks(shape: GPTShape, config: TransformerConfig) -> list[GPTMo
     The embedding and output layer have ``shape.padded_vocab`` rows (split over TP); the output layer of
     a tied model reuses the embedding (PP = 1) or holds a copy kept equal by Megatron (PP > 1).
     """
-    spec = layer_spec(shape)
+    te = use_transformer_engine()
+    spec = layer_spec(shape, te)
     rotary_base = int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta
     vpp = config.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(vpp):
+        block: Any = spec
+        if not te:
+            # the decoder's final norm: given a layer spec, Megatron takes apex's FusedLayerNorm when apex is
+            # installed (a GPU without TransformerEngine), which refuses RMSNorm; torch's norm is what the local
+            # spec's own norms use
+            n = get_num_layers_to_build(config, vp_stage=vp_stage if vpp > 1 else None)
+            block = TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=WrappedTorchNorm)
         chunks.append(
             GPTModel(
                 config=config,
-                transformer_layer_spec=spec,
+                transformer_layer_spec=block,
                 vocab_size=shape.padded_vocab,
                 max_sequence_length=shape.max_seq_len,
                 pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

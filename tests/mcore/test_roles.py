@@ -186,3 +186,31 @@ def test_value_head_gathers_the_sequence_parallel_region():
     for r in run_ranks(_sp_head_body, 2, timeout=300):
         assert r["shape"] == [8, 3, 1], r
         assert r["values"] <= 1e-6 and r["weight_grad"] <= 1e-5 and r["hidden_grad"] <= 1e-6, r
+
+
+def _final_norm_body(rank: int, world_size: int) -> str:
+    from megatron.core.transformer import transformer_block
+
+    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.mcore import gpt
+
+    class RefusesRMSNorm(torch.nn.Module):  # stands in for apex's FusedLayerNorm, Megatron's default with apex
+        def __init__(self, config, hidden_size, eps=1e-5, **kwargs):
+            super().__init__()
+            assert config.normalization == "LayerNorm", f"({config.normalization}) is not supported"
+
+    transformer_block.LayerNormImpl = RefusesRMSNorm
+    init_model_parallel(ParallelLayout.from_world(world_size, tp=1, pp=world_size))
+    shape = gpt.GPTShape(
+        num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96, vocab_size=128
+    )
+    (chunk,) = gpt.build_model_chunks(shape, gpt.make_config(shape))
+    norm = chunk.decoder.final_layernorm
+    return f"{'none' if norm is None else type(norm).__name__} {len(chunk.decoder.layers)}"
+
+
+@pytest.mark.multirank
+def test_local_spec_final_norm_is_torch_rmsnorm_even_with_apex():
+    """Without TransformerEngine the decoder's final norm is torch's RMSNorm whatever Megatron's block default
+    (apex's FusedLayerNorm when apex is installed, which refuses RMSNorm), and each stage builds its layers."""
+    assert run_ranks(_final_norm_body, 2, timeout=300) == ["none 2", "RMSNorm 2"]
