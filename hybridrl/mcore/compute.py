@@ -299,14 +299,18 @@ def _reduce_step_metrics(contributions, mb_metrics, dp_group) -> tuple[float, di
         keys = sorted(
             k for k in (mb_metrics[0] if mb_metrics else {}) if torch.as_tensor(mb_metrics[0][k]).numel() == 1
         )
-        means = [sum(float(m[k]) for m in mb_metrics) / len(mb_metrics) for k in keys]
+        # stacked on the device and read back once: a float() per micro-batch and metric is a GPU sync each
         device = contributions[0].device if contributions else None
-        vec = torch.tensor([float(sum(c.item() for c in contributions)), *means], dtype=torch.float64, device=device)
+        f64 = dict(dtype=torch.float64, device=device)
+        loss = torch.stack([c.to(**f64).reshape(()) for c in contributions]).sum() if contributions else None
+        means = [torch.stack([torch.as_tensor(m[k]).to(**f64).reshape(()) for m in mb_metrics]).mean() for k in keys]
+        vec = torch.stack([loss if loss is not None else torch.zeros((), **f64), *means])
         dp = dist.get_world_size(dp_group)
         if dp > 1:
             dist.all_reduce(vec, group=dp_group)
         vec[1:] /= dp
-        result = [(vec[0].item(), dict(zip(keys, vec[1:].tolist(), strict=True)))]
+        values = vec.tolist()
+        result = [(values[0], dict(zip(keys, values[1:], strict=True)))]
     if mpu.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast_object_list(
             result, src=mpu.get_pipeline_model_parallel_last_rank(), group=mpu.get_pipeline_model_parallel_group()

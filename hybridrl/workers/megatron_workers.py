@@ -158,6 +158,11 @@ class ActorRolloutWorker(_TrainedRole):
         self.rollout = VLLMRolloutEngine.from_config(r, self.model.hf_config, tokenizer, model_path, **extra)
         self.weights_version = -1
         self.version = 0
+        if self.cfg.rollout.free_cache_engine and self.rollout.sleep_mode:
+            # vLLM took gpu_memory_utilization of the device at start; its dummy weights and empty KV cache are
+            # freed until the first switch, so that the reference and critic built next (and the first
+            # updates' peaks) fit beside the actor
+            self.rollout.sleep(level=2)
 
     def sync_rollout_weights(self) -> dict[str, float]:
         """Training -> generation layout (bucketed reshard) and push into vLLM (skipped when vLLM already
