@@ -182,9 +182,13 @@ class RLTrainer:
             "response/length_mean": float(lengths.mean()),
             "response/length_max": float(lengths.max()),
             "response/clip_ratio": float(np.mean(batch.non_tensor_batch["finish_reasons"] == "length")),
-            "rollout/logprob_mismatch": _masked_mean((b["old_log_probs"] - b["rollout_log_probs"]).abs(), mask),
             "actor/entropy_mean": _masked_mean(b["entropy"], mask),
         }
+        r = self.cfg.rollout
+        if r.top_k == -1 and r.top_p == 1.0:
+            # vLLM's log-probs are of the distribution it sampled from: with top-k / top-p renormalised over the
+            # kept tokens, so they differ from the actor's full softmax by design; comparable only without them
+            out["rollout/logprob_mismatch"] = _masked_mean((b["old_log_probs"] - b["rollout_log_probs"]).abs(), mask)
         if "ref_log_probs" in b:
             out["actor/kl"] = _masked_mean(b["old_log_probs"] - b["ref_log_probs"], mask)
         if "values" in b:
