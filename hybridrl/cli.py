@@ -161,12 +161,13 @@ def main(argv: list[str] | None = None) -> int:
             print("usage: hybridrl train CONFIG [key=value ...]", file=sys.stderr)
             return 2
         from hybridrl.config import ConfigError
+        from hybridrl.distributed.env import LaunchError
         from hybridrl.trainer.main import train
 
         try:
             train(rest[0], rest[1:])
-        except ConfigError as err:  # every rank would print the same traceback; the message says it all
-            print(f"config error: {err}", file=sys.stderr)
+        except (ConfigError, LaunchError) as err:  # every rank would print the same traceback; the message says it
+            print(f"{'config' if isinstance(err, ConfigError) else 'launch'} error: {err}", file=sys.stderr)
             return 2
         return 0
     print(f"unknown command {command!r}; run 'hybridrl --help' for the list", file=sys.stderr)

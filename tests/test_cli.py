@@ -65,6 +65,11 @@ def test_train_config_error_is_one_line():
     assert err.startswith(
         "config error: world_size (1) of the launch != trainer.nnodes (1) * trainer.n_gpus_per_node (2)"
     )
+    env.update(RANK="3", WORLD_SIZE="2")  # a launch environment that cannot be: one line too
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "launch error: rank (3) must lie in [0, world_size=2); check RANK/SLURM_PROCID"
+    ), result.stderr[-2000:]
 
 
 def test_python_dash_m_entry():
