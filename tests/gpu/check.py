@@ -13,8 +13,16 @@ Sections (each in its own try/except; the exit code is non-zero if any check fai
    ``optimizer.build_optimizer`` (GPU path: Megatron DDP + DistributedOptimizer, bf16 params, fp32 master),
    driven by ``compute.forward_backward``: 2 warm-up + 5 timed steps; tokens/s, MFU, peak memory.
 
-``--cpu-dry-run`` runs section 1 on gloo/CPU and section 2 with a tiny fp32 shape on the CPU optimizer path,
-so that the code paths can be exercised without a GPU. Results go to stdout and, if ``$OUT`` is set, to
+3-5. ``reshard``, ``switch``, ``vllm`` (``engine_checks.py``): the CUDA reshard kernel, the training -> rollout
+   switch on the device, and official vLLM where it is installed (see tests/gpu/README.md).
+6. ``workers`` (``worker_checks.py``): the critic, reference and reward-model workers built from a ``RunConfig``
+   through ``WorkerGroup`` at world 1: their results come back to the CPU and equal HF's (fp32, <= 1e-4); per
+   critic optimizer backend (megatron, torch) an update parks the critic in host memory (device memory freed), a
+   save inside ``resident()`` and ``load_role`` into a fresh critic give identical weights.
+
+``--cpu-dry-run`` runs section 1 on gloo/CPU, section 2 with a tiny fp32 shape on the CPU optimizer path and the
+other sections on CPU (section 6 without the parking checks: offload is a no-op there), so that the code paths
+can be exercised without a GPU. Results go to stdout and, if ``$OUT`` is set, to
 ``$OUT/gpu_check.json`` and ``$OUT/gpu_check.log``.
 """
 
@@ -40,6 +48,7 @@ import torch  # noqa: E402
 
 from tests.gpu.engine_checks import section_reshard, section_switch, section_vllm  # noqa: E402
 from tests.gpu.report import LOG, PARITY_TOL, Report, log  # noqa: E402
+from tests.gpu.worker_checks import section_workers  # noqa: E402
 
 H200_BF16_DENSE_PEAK = 989e12  # FLOP/s, dense bf16 (no sparsity)
 
@@ -328,8 +337,8 @@ def main() -> int:
     ap.add_argument("--cpu-dry-run", action="store_true", help="gloo/CPU, tiny training shape (no GPU needed)")
     ap.add_argument(
         "--sections",
-        default="parity,train,reshard,switch,vllm",
-        help="comma-separated subset of parity,train,reshard,switch,vllm (vllm: only where it is installed)",
+        default="parity,train,reshard,switch,vllm,workers",
+        help="comma-separated subset of parity,train,reshard,switch,vllm,workers (vllm: only where it is installed)",
     )
     ap.add_argument("--archs", default="llama,qwen2,mistral,qwen3", help="tiny HF archs for the parity section")
     args = ap.parse_args()
@@ -401,6 +410,12 @@ def main() -> int:
             "switch",
             "section 4: training -> rollout switch on the device (world 1)",
             lambda: section_switch(report, device),
+        )
+    if "workers" in wanted:  # before section 5: dropping an in-process vLLM engine tears the process group down
+        run(
+            "workers",
+            "section 6: role workers through WorkerGroup (world 1, fp32)",
+            lambda: section_workers(report, device),
         )
     if "vllm" in wanted:
         try:

