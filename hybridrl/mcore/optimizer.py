@@ -429,6 +429,9 @@ def move_model_weights(optimizer: Any, model: Any, to_host: bool) -> None:
     (``offload_to_cpu`` / ``reload_from_cpu``), so every view stays valid. Otherwise the
     :class:`~hybridrl.mcore.roles.RoleModel` moves its parameters itself. Weights on the CPU stay put.
     """
+    if not to_host and getattr(model, "offloaded", False):
+        model.onload()  # parked by RoleModel.offload (weights not in DDP buffers): its parameters sit on the CPU now
+        return
     if all(p.device.type == "cpu" for p in model.parameters()):
         return  # host memory already (and DDP's CPU "copy" would share the storage it then frees)
     ddp = [c for c in getattr(optimizer, "chunks", []) if hasattr(c, "buffers") and hasattr(c, "offload_grad_buffers")]

@@ -145,13 +145,21 @@ def _critic(report: Report, pool, backend: str, score_path: str, batch: dict, re
     with w.resident():  # parked weights are zero-size DDP storage: the save must find them home
         save_role(w.model, w.optimizer, path)
     parked_again = all(_parked(w).values()) if cuda else True
-    fresh = WorkerGroup(pool, ClassWithInitArgs(CriticWorker, cfg, score_path)).worker
+    fresh_group = WorkerGroup(pool, ClassWithInitArgs(CriticWorker, cfg, score_path))
+    fresh = fresh_group.worker
     restored = load_role(fresh.model, fresh.optimizer, path)  # torch backend: the agreement all-reduce
     loaded = _weights(fresh)
     same = loaded.keys() == after.keys() and all(torch.equal(loaded[k], after[k]) for k in after)
     report.check(f"{name}.save_resident_load_role", restored and same and parked_again, optimizer_restored=restored,
                  weights_equal=same, parked_again=parked_again if cuda else "n/a on CPU")  # fmt: skip
-    del group, w, fresh
+    # the next step's values from the parked critic: its weights must come home (they stayed on the CPU when not
+    # in DDP buffers) and give what the freshly loaded copy gives
+    again = group.compute_values(DataProto.from_dict(tensors=batch)).batch["values"]
+    want = fresh_group.compute_values(DataProto.from_dict(tensors=batch)).batch["values"]
+    diff = _diff(again, want, mask)
+    report.check(f"{name}.values_after_parking", _on_cpu(again, tuple(mask.shape)) and diff <= PARITY_TOL,
+                 max_abs_diff=diff, changed_by_update=_diff(again, values, mask))  # fmt: skip
+    del group, w, fresh, fresh_group
 
 
 def section_workers(report: Report, device: torch.device) -> dict:

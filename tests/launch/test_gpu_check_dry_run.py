@@ -37,8 +37,8 @@ def test_gpu_check_dry_run_passes(tmp_path):
     assert set(report["sections"]) == {"setup", "parity", "train", "reshard", "switch", "vllm", "workers"}
     assert all(c["ok"] for c in report["checks"]) and len(report["checks"]) >= 38
     # section 6: per critic backend values, update, save/load (the parking checks are GPU-only), then ref and RM
-    critic = [f"workers.critic_{b}.{c}" for b in ("megatron", "torch")
-              for c in ("compute_values", "update_critic", "save_resident_load_role")]  # fmt: skip
+    steps = ("compute_values", "update_critic", "save_resident_load_role", "values_after_parking")
+    critic = [f"workers.critic_{b}.{c}" for b in ("megatron", "torch") for c in steps]
     expected = [*critic, "workers.reference.compute_ref_log_prob", "workers.reward_model.compute_rm_score"]
     workers = [c["name"] for c in report["checks"] if c["name"].startswith("workers.")]
     assert sorted(workers) == sorted(expected), workers

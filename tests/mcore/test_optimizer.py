@@ -467,3 +467,30 @@ def test_optimizer_state_offload_moves_every_tensor():
     for r in run_ranks(_offload_body, 2, timeout=300):
         assert r["on_meta"] and r["grads_dropped"]
         assert r["moved"] == r["expected"] > 0
+
+
+def test_parked_weights_outside_ddp_buffers_come_back():
+    """RoleModel.offload parks weights that are not views of Megatron DDP's buffers (torch optimizer, or no
+    DistributedOptimizer) on the CPU; bringing them back must call onload even though every parameter is now on
+    the CPU (it returned early, and the next forward ran CPU weights against CUDA inputs)."""
+    from hybridrl.mcore.optimizer import move_model_weights
+
+    class Parked:  # RoleModel's offload state after offload() on a GPU: offloaded, parameters in host memory
+        def __init__(self):
+            self.offloaded, self.calls = True, []
+
+        def parameters(self):
+            return iter([torch.zeros(2)])
+
+        def onload(self):
+            self.calls.append("onload")
+            self.offloaded = False
+
+        def offload(self):
+            self.calls.append("offload")
+
+    model = Parked()
+    move_model_weights(None, model, to_host=False)
+    assert model.calls == ["onload"] and not model.offloaded
+    move_model_weights(None, model, to_host=False)  # home already: nothing more
+    assert model.calls == ["onload"]
