@@ -385,7 +385,7 @@ def check_layouts(cfg: RunConfig, world: int) -> None:
                 "data.max_prompt_length",
                 "data.max_prompt_length",
             )
-    for role in ("actor", "critic"):
+    for role in ("actor", "critic") if cfg.critic.enable else ("actor",):
         o = getattr(cfg, role).optim
         if o.backend == "torch" and cfg.model.dtype != "float32":
             _fail(
@@ -532,9 +532,11 @@ def _check_shape(cfg: RunConfig, fields: dict[str, Any], path: str | None, rollo
         _fail(f"{name('num_key_value_heads')} ({groups}) and rollout.tp_size ({rtp}) must divide one another",
               "rollout.tp_size")  # fmt: skip
     positions, length = fields.get("max_position_embeddings"), cfg.rollout.max_model_len
-    if rollout and positions and positions < length:
+    # with rope_scaling the usable context depends on the scaling type (vLLM's own check applies)
+    if rollout and positions and positions < length and not fields.get("rope_scaling"):
         _fail(f"{name('max_position_embeddings')} ({positions}) must be >= rollout.max_model_len ({length}); lower "
-              "data.max_prompt_length + data.max_response_length", "rollout.max_model_len")  # fmt: skip
+              "data.max_prompt_length + data.max_response_length (or, if the checkpoint takes longer inputs, set "
+              "model.architecture.max_position_embeddings)", "rollout.max_model_len")  # fmt: skip
     stages, layers = m.pp_size * m.vpp_size, fields.get("num_hidden_layers")
     if layers and layers % stages:
         _fail(

@@ -39,6 +39,14 @@ KNOWN_SHAPES = {
     "llama-3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                         num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192),
 }  # fmt: skip
+KNOWN_REPOS = {
+    "meta-llama/llama-2-7b-hf": "llama-2-7b", "meta-llama/llama-2-7b-chat-hf": "llama-2-7b",
+    "qwen/qwen2-7b": "qwen2-7b", "qwen/qwen2-7b-instruct": "qwen2-7b",
+    "meta-llama/meta-llama-3-8b": "llama-3-8b", "meta-llama/meta-llama-3-8b-instruct": "llama-3-8b",
+    "meta-llama/meta-llama-3-70b": "llama-3-70b", "meta-llama/meta-llama-3-70b-instruct": "llama-3-70b",
+}  # fmt: skip
+"""Exact Hub names (lower case) of those checkpoints: a fine-tune or long-context variant under another name
+may differ (its max_position_embeddings above all), so nothing is assumed for it."""
 
 
 @dataclass
@@ -69,9 +77,9 @@ def model_fields(cfg: Any, path: str | None = None) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     own = path is None or path == cfg.model.path
     path = cfg.model.path if path is None else path
-    for key, shape in KNOWN_SHAPES.items():
-        if path and key in path.lower():
-            fields.update(shape)
+    family = KNOWN_REPOS.get(path.lower()) if path else None
+    if family:
+        fields.update(KNOWN_SHAPES[family])
     if path and os.path.isfile(os.path.join(path, "config.json")):
         with open(os.path.join(path, "config.json")) as f:
             fields.update(json.load(f))

@@ -376,13 +376,15 @@ CASES = [
      "choose sizes that divide it"),
     (TINY, ["model.architecture.max_position_embeddings=16"],
      "model.architecture.max_position_embeddings (16) must be >= rollout.max_model_len (32); lower "
-     "data.max_prompt_length + data.max_response_length"),
+     "data.max_prompt_length + data.max_response_length (or, if the checkpoint takes longer inputs, set "
+     "model.architecture.max_position_embeddings)"),
     # the checkpoint's own shape when model.path is set (packaged configs name public checkpoints: their known
     # shapes; a local folder: its config.json)
     (G7, ["actor.megatron.tp_size=8", "rollout.tp_size=8"], "num_attention_heads of Qwen/Qwen2-7B-Instruct (28) must "
      "be divisible by actor.megatron.tp_size (8); choose a tp_size that divides it"),
     (P7, ["data.max_prompt_length=4096"], "max_position_embeddings of meta-llama/Llama-2-7b-hf (4096) must be >= "
-     "rollout.max_model_len (4608); lower data.max_prompt_length + data.max_response_length"),
+     "rollout.max_model_len (4608); lower data.max_prompt_length + data.max_response_length (or, if the checkpoint "
+     "takes longer inputs, set model.architecture.max_position_embeddings)"),
 ]  # fmt: skip
 
 
@@ -463,3 +465,22 @@ def test_local_checkpoint_shape_is_checked(tmp_path):
     )
     # model.architecture next to model.path overrides the checkpoint (the run applies it the same way)
     load_config(P7, [f"model.path={odd}", "model.architecture.num_attention_heads=4"])
+
+
+def test_shape_checks_assume_nothing_for_unknown_names(tmp_path):
+    """Only exact Hub names of the packaged checkpoints have known shapes: a long-context variant under another
+    name is not taken for its base model; rope_scaling leaves the context check to vLLM; a critic's optimizer
+    backend is not checked when there is no critic."""
+    long = [
+        "model.path=togethercomputer/LLaMA-2-7B-32K",
+        "data.max_prompt_length=4096",
+        "data.max_response_length=4096",
+    ]
+    load_config(P7, long)
+    scaled = tmp_path / "scaled"
+    scaled.mkdir()
+    (scaled / "config.json").write_text(
+        json.dumps({"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    )
+    load_config(P7, [f"model.path={scaled}", "data.max_prompt_length=4096"])
+    load_config(G7, ["critic.optim.backend=torch"])
