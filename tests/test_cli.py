@@ -146,6 +146,30 @@ def _hub_body(rank: int, world: int, local_ranks: list[int], cache: str, fail_on
         return {"error": str(e), "online": online}
 
 
+def _split_view_body(rank: int, world: int, folder: str) -> str:
+    import os
+
+    real = os.path.isdir
+    os.path.isdir = lambda p: real(p) and rank == 0  # a node-local folder: present on rank 0's node only
+    from hybridrl.trainer.main import resolve_checkpoint
+
+    try:
+        return resolve_checkpoint(folder, "model.path")
+    except FileNotFoundError as e:
+        return str(e)
+
+
+@pytest.mark.multirank
+def test_folder_on_some_nodes_only_fails_on_every_rank(tmp_path):
+    """Ranks that disagree about a folder fail together in one line (some would otherwise wait in the download's
+    collective while the others went on)."""
+    from tests.multirank import run_ranks
+
+    out = run_ranks(_split_view_body, 2, str(tmp_path))
+    assert out == [f"model.path ({str(tmp_path)!r}) is a folder on some nodes only (missing on ranks [1]); put it on "
+                   "a filesystem every node sees"] * 2  # fmt: skip
+
+
 @pytest.mark.multirank
 def test_hub_checkpoints_download_once_per_node(tmp_path):
     """Local rank 0 of each node downloads, the others read the cache; a failure on any node fails every rank."""

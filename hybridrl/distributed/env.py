@@ -117,6 +117,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Pr
         return penv
     backend = backend or default_backend()
     if backend == "nccl":
+        gpus = torch.cuda.device_count()
+        if penv.local_rank >= gpus:
+            raise LaunchError(
+                f"local rank {penv.local_rank} but this node has {gpus} GPU(s); launch at most {gpus} processes per "
+                "node (torchrun.sh: NPROC=auto, or trainer.n_gpus_per_node to match)"
+            )
         torch.cuda.set_device(penv.local_rank)
     # torchrun's variables for a plain srun launch too: vLLM's external_launcher executor reads RANK,
     # LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment

@@ -151,16 +151,19 @@ def stop_string_tokenizer(stop: list[str], tokenizer: Any) -> str | None:
         tokenizer: the run's :class:`hybridrl.data.tokenizers.Tokenizer` (an HF one: vLLM loads its folder).
 
     Raises:
-        ValueError: stop strings with a tokenizer vLLM cannot load (a sentencepiece ``.model``, the demo's).
+        ConfigError: stop strings with a tokenizer vLLM cannot load (a sentencepiece ``.model``, the demo's).
     """
+    from hybridrl.config.schema import ConfigError
+
     if not stop:
         return None
     folder = getattr(getattr(tokenizer, "hf", None), "name_or_path", None)
     if not folder or not os.path.isdir(folder):
         kind = type(tokenizer).__name__ if tokenizer is not None else "no tokenizer"
-        raise ValueError(
+        raise ConfigError(
             f"rollout.stop ({list(stop)}) needs a Hugging Face tokenizer folder that vLLM can load to match strings, "
-            f"and this run has {kind}; remove rollout.stop or point model.tokenizer_path at an HF tokenizer folder"
+            f"and this run has {kind}; remove rollout.stop or point model.tokenizer_path at an HF tokenizer folder",
+            key="rollout.stop",
         )
     return folder
 

@@ -97,7 +97,17 @@ def resolve_checkpoint(path: str, key: str) -> str:
     them), the other ranks then read their node's cache, and the snapshot folder is returned. Collective when
     it downloads, over a gloo group without the run's collective timeout (a first download of a 70B checkpoint
     outlasts it). Errors name the key and the fix in one line."""
-    if os.path.isdir(path):
+    here = os.path.isdir(path)
+    if dist.is_initialized():  # every rank takes the same branch below (the download is collective)
+        seen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, here)
+        if len(set(seen)) > 1:
+            missing = [r for r, s in enumerate(seen) if not s]
+            raise FileNotFoundError(
+                f"{key} ({path!r}) is a folder on some nodes only (missing on ranks {missing[:8]}); put it on a "
+                "filesystem every node sees"
+            )
+    if here:
         return path
     if not HUB_NAME.fullmatch(path):
         raise FileNotFoundError(f"{key} ({path!r}) is not a folder; set it to a local Hugging Face model folder")

@@ -145,3 +145,19 @@ def test_srun_launch_exports_torchrun_variables():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "0", "1", "127.0.0.1", str(port)]
+
+
+def test_more_local_ranks_than_gpus_is_one_line(monkeypatch):
+    """NCCL with a local rank beyond the node's GPUs (a config's n_gpus_per_node on a smaller node): a LaunchError
+    naming the counts, not CUDA's 'invalid device ordinal'. This machine has no GPU, so local rank 0 is one too many."""
+    import torch
+
+    from hybridrl.distributed import init_distributed
+    from hybridrl.distributed.env import LaunchError
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine with fewer GPUs than local rank 0 + 1, i.e. none")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(LaunchError, match=r"^local rank 0 but this node has 0 GPU\(s\); launch at most 0"):
+        init_distributed("nccl")
