@@ -158,8 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_export(rest)
     if command == "train":
         if not rest or rest[0].startswith("-"):
-            print("usage: hybridrl train CONFIG [key=value ...]", file=sys.stderr)
-            return 2
+            usage = (
+                "usage: hybridrl train CONFIG [key=value ...]   (under torchrun / srun: one process per device)\n"
+                "  CONFIG: a packaged config name (configs/) or a YAML path; key=value overrides any field, e.g.\n"
+                "  trainer.total_steps=5 'data.train_files=[train.parquet]'. Check first: hybridrl validate-config"
+            )
+            asked = bool(rest) and rest[0] in ("-h", "--help")
+            print(usage, file=sys.stdout if asked else sys.stderr)
+            return 0 if asked else 2
         from hybridrl.config import ConfigError
         from hybridrl.distributed.env import LaunchError
         from hybridrl.trainer.main import train

@@ -105,6 +105,11 @@ def test_model_paths_resolve_folders_and_explain_hub_failures(tmp_path, monkeypa
     from hybridrl.trainer.main import resolve_checkpoint
 
     assert resolve_checkpoint(str(tmp_path), "model.path") == str(tmp_path)
+    sp = tmp_path / "tokenizer.model"
+    sp.write_bytes(b"")
+    assert resolve_checkpoint(str(sp), "model.tokenizer_path", files=True) == str(sp)  # a sentencepiece file
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        resolve_checkpoint(str(sp), "model.path")
     with pytest.raises(FileNotFoundError, match=r"^model.path \('\./nope'\) is not a folder; set it to a local"):
         resolve_checkpoint("./nope", "model.path")
     import huggingface_hub.constants
@@ -218,3 +223,10 @@ def test_architecture_overrides_make_a_linked_model_folder(tmp_path):
     for w in weights:
         a, b = load_file(tmp_path / "ckpt" / w), load_file(tmp_path / "out" / w)
         assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_train_help_is_usage_and_success():
+    done = subprocess.run([sys.executable, "-m", "hybridrl", "train", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("usage: hybridrl train CONFIG [key=value ...]")
+    bare = subprocess.run([sys.executable, "-m", "hybridrl", "train"], capture_output=True, text=True)
+    assert bare.returncode == 2 and bare.stderr.startswith("usage: hybridrl train")

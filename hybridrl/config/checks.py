@@ -302,6 +302,15 @@ def check_sources(cfg: RunConfig, world: int) -> None:
             _fail("model.architecture.num_attention_heads is null and model.path is null; set it", "model.path")
     if not cfg.data.train_files and not cfg.data.demo_task:
         _fail("data.train_files is empty; set data.train_files=[/path/to/train.parquet]", "data.train_files")
+    if m.path is None and not cfg.data.demo_task:
+        _fail("model.path is null and data.demo_task is false: a model from model.architecture alone (random weights) "
+              "is built for the demo task only; set model.path to a Hugging Face checkpoint folder or Hub name",
+              "model.path")  # fmt: skip
+    if cfg.data.demo_task and (cfg.data.train_files or cfg.data.val_files):
+        key = "data.train_files" if cfg.data.train_files else "data.val_files"
+        _fail(f"data.demo_task (true) makes its own prompts and would ignore {key} ({_get(cfg, key)}); set "
+              "data.demo_task=false to train on your files", key)  # fmt: skip
+    _check_architecture_against_checkpoint(m)
     rw = cfg.reward
     if rw.model.enable and not rw.model.path:
         _fail("reward.model.path is null but reward.model.enable is true; set reward.model.path", "reward.model.path")
@@ -323,6 +332,32 @@ def check_sources(cfg: RunConfig, world: int) -> None:
             f"(got {t.resume_mode!r}); set both or neither",
             "trainer.resume_from_path",
         )
+
+
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")  # fmt: skip
+"""model.architecture fields that decide the weights' shapes: next to a checkpoint they must agree with it."""
+
+
+def _check_architecture_against_checkpoint(m: Any) -> None:
+    """An architecture field next to a local checkpoint overrides its config.json (rope_theta, context length:
+    fine); one that changes a weight's shape cannot load, e.g. a tiny config's block left in place."""
+    config = os.path.join(m.path, "config.json") if m.path else None
+    if not config or not os.path.isfile(config):
+        return
+    import json
+
+    with open(config, encoding="utf-8") as f:
+        ckpt = json.load(f)
+    for name in SHAPE_FIELDS:
+        mine, theirs = getattr(m.architecture, name), ckpt.get(name)
+        if mine is not None and theirs is not None and mine != theirs:
+            _fail(
+                f"model.architecture.{name} ({_show(mine)}) differs from {name} ({_show(theirs)}) in model.path's "
+                f"config.json: its weights have the checkpoint's shapes; set model.architecture.{name}=null (or drop "
+                "the model.architecture block)",
+                f"model.architecture.{name}",
+            )
 
 
 def check_world(cfg: RunConfig, world: int) -> None:

@@ -316,7 +316,9 @@ def _translate(exc: OmegaConfBaseException, data: Any, source: str) -> ConfigErr
         expected = _type_name(_hint_at(key))
     except (KeyError, TypeError, IndexError):
         return ConfigError(f"{key}: {first}{source}", key=key)
-    return ConfigError(f"{key} ({_show(_lookup(data, key))}) must be {expected}{source}", key=key)
+    value = _lookup(data, key)
+    hint = f"; write it as a list: {key}=[{value}]" if expected.startswith("a list") and isinstance(value, str) else ""
+    return ConfigError(f"{key} ({_show(value)}) must be {expected}{hint}{source}", key=key)
 
 
 # ---- public API -------------------------------------------------------------------------------------

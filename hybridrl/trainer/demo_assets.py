@@ -15,6 +15,7 @@ Everything is seeded from ``trainer.seed``; nothing is downloaded.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +121,8 @@ def make_demo_assets(
     model = transformers.LlamaForCausalLM(_hf_config(cfg, vocab, tok)).float()
     losses = warm_up(model, tok, train, warmup_steps, seed) if warmup_steps else []
     model.save_pretrained(assets.model_path, safe_serialization=True)
+    # the model folder carries its tokenizer, as a checkpoint folder does: `hybridrl export` copies it along
+    shutil.copy(assets.tokenizer_path, os.path.join(assets.model_path, "tokenizer.model"))
     if losses:
         print(f"[demo] supervised warm-up: {warmup_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
     return assets

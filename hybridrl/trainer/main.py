@@ -44,7 +44,7 @@ def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
     overridden = os.path.join(cfg.trainer.default_local_dir, "model_with_overrides")
     cfg.model.path = apply_architecture_overrides(cfg.model.architecture, cfg.model.path, overridden)
     if cfg.model.tokenizer_path is not None:
-        cfg.model.tokenizer_path = resolve_checkpoint(cfg.model.tokenizer_path, "model.tokenizer_path")
+        cfg.model.tokenizer_path = resolve_checkpoint(cfg.model.tokenizer_path, "model.tokenizer_path", files=True)
     if cfg.critic.model_path is not None:
         cfg.critic.model_path = resolve_checkpoint(cfg.critic.model_path, "critic.model_path")
     if cfg.reward.model.enable and cfg.reward.model.path is not None:
@@ -91,13 +91,14 @@ HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "tokenizer*"]
 
 
-def resolve_checkpoint(path: str, key: str) -> str:
+def resolve_checkpoint(path: str, key: str, files: bool = False) -> str:
     """A local folder as is; a Hugging Face Hub name (``org/name``, no such folder here) is downloaded once per
     node (by its local rank 0: caches are often node-local; on a shared one the hub's file locks serialise
     them), the other ranks then read their node's cache, and the snapshot folder is returned. Collective when
     it downloads, over a gloo group without the run's collective timeout (a first download of a 70B checkpoint
-    outlasts it). Errors name the key and the fix in one line."""
-    here = os.path.isdir(path)
+    outlasts it). ``files``: a local file is taken as is too (a sentencepiece ``tokenizer.model``). Errors name
+    the key and the fix in one line."""
+    here = os.path.isdir(path) or (files and os.path.isfile(path))
     if dist.is_initialized():  # every rank takes the same branch below (the download is collective)
         seen: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(seen, here)

@@ -217,7 +217,8 @@ def test_unknown_key_in_yaml_names_the_file(tmp_path):
         ("actor.optim.betas=[0.9,x]", "actor.optim.betas[1] ('x') must be a number"),
         ("actor.megatron.batch_p2p_comm=maybe",
          "actor.megatron.batch_p2p_comm ('maybe') must be a bool (true/false) or null"),
-        ("trainer.loggers=console", "trainer.loggers ('console') must be a list of strings"),
+        ("trainer.loggers=console", "trainer.loggers ('console') must be a list of strings; write it as a list: "
+         "trainer.loggers=[console]"),
         ("actor.megatron=4",
          "actor.megatron (4) must be a section (MegatronConfig); set its fields, e.g. actor.megatron.tp_size=..."),
         ("actor.ppo_epochs.x=1", "actor.ppo_epochs must be an int, not a mapping"),
@@ -378,6 +379,12 @@ CASES = [
      "model.architecture.max_position_embeddings (16) must be >= rollout.max_model_len (32); lower "
      "data.max_prompt_length + data.max_response_length (or, if the checkpoint takes longer inputs, set "
      "model.architecture.max_position_embeddings)"),
+    # sources: the demo task vs the user's files and model
+    (TINY, ["data.train_files=[my.parquet]"], "data.demo_task (true) makes its own prompts and would ignore "
+     "data.train_files (['my.parquet']); set data.demo_task=false to train on your files"),
+    (TINY, ["data.demo_task=false", "data.train_files=[my.parquet]"], "model.path is null and data.demo_task is "
+     "false: a model from model.architecture alone (random weights) is built for the demo task only; set model.path "
+     "to a Hugging Face checkpoint folder or Hub name"),
     # the checkpoint's own shape when model.path is set (packaged configs name public checkpoints: their known
     # shapes; a local folder: its config.json)
     (G7, ["actor.megatron.tp_size=8", "rollout.tp_size=8"], "num_attention_heads of Qwen/Qwen2-7B-Instruct (28) must "
@@ -441,9 +448,7 @@ def test_text_overrides_stay_text_and_home_paths_expand(monkeypatch, tmp_path):
             load_config("tiny_cpu.yaml", [f"trainer.experiment_name={typed}"], world_size=2).trainer.experiment_name
             == typed
         )
-    cfg = load_config(
-        "tiny_cpu.yaml", ["data.train_files=[~/data/a.jsonl]", "trainer.default_local_dir=~/runs/x"], world_size=2
-    )
+    cfg = load_config(P7, ["data.train_files=[~/data/a.jsonl]", "trainer.default_local_dir=~/runs/x"])
     assert (
         cfg.data.train_files == [f"{tmp_path}/data/a.jsonl"] and cfg.trainer.default_local_dir == f"{tmp_path}/runs/x"
     )
@@ -463,8 +468,10 @@ def test_local_checkpoint_shape_is_checked(tmp_path):
         f"num_attention_heads of {odd} (5) must be divisible by actor.megatron.tp_size (2); choose a tp_size that "
         "divides it"
     )
-    # model.architecture next to model.path overrides the checkpoint (the run applies it the same way)
-    load_config(P7, [f"model.path={odd}", "model.architecture.num_attention_heads=4"])
+    # a shape field next to model.path cannot fix it: the weights have the checkpoint's shapes
+    assert _error(P7, [f"model.path={odd}", "model.architecture.num_attention_heads=4"]).startswith(
+        "model.architecture.num_attention_heads (4) differs from num_attention_heads (5) in model.path's config.json"
+    )
 
 
 def test_shape_checks_assume_nothing_for_unknown_names(tmp_path):
@@ -484,3 +491,19 @@ def test_shape_checks_assume_nothing_for_unknown_names(tmp_path):
     )
     load_config(P7, [f"model.path={scaled}", "data.max_prompt_length=4096"])
     load_config(G7, ["critic.optim.backend=torch"])
+
+
+def test_shape_fields_next_to_a_checkpoint_must_agree(tmp_path):
+    """The tiny config's architecture block left in place next to a real checkpoint: refused before launch, naming
+    the field (it failed at load on a tensor shape); a field that does not shape weights still overrides."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 29, "hidden_size": 128}))
+    own = ["data.demo_task=false", "data.train_files=[my.parquet]", f"model.path={ckpt}"]
+    assert _error(TINY, own) == (
+        "model.architecture.vocab_size (32000) differs from vocab_size (29) in model.path's config.json: its weights "
+        "have the checkpoint's shapes; set model.architecture.vocab_size=null (or drop the model.architecture block)"
+    )
+    load_config(
+        P7, [f"model.path={ckpt}", "model.architecture.rope_theta=500000.0", "model.architecture.hidden_size=128"]
+    )

@@ -365,3 +365,18 @@ def test_pack_rollout_follows_the_prompts_device():
     prompts = DataProto({"input_ids": torch.tensor([[0, 5, 6]]), "attention_mask": torch.tensor([[0, 1, 1]])})
     out = pack_rollout(prompts.to("meta"), 1, [[7, 8]], [[-0.1, -0.2]], ["stop"], response_length=4, pad_token_id=0)
     assert {t.device.type for t in out.batch.values()} == {"meta"}
+
+
+def test_expected_no_tokenizer_warnings_are_dropped(engine):
+    """A token-id engine (no tokenizer) would log vLLM's chat-template warm-up traceback and "Using None for EOS
+    token id" per rank: dropped; any other record of that logger passes."""
+    import logging
+
+    log = logging.getLogger("vllm.renderers.base")
+
+    def passes(msg: str) -> bool:
+        return bool(log.filter(log.makeRecord(log.name, logging.WARNING, __file__, 1, msg, None, None)))
+
+    assert not passes("Chat template warmup failed")
+    assert not passes("Using None for EOS token id because tokenizer is not initialized")
+    assert passes("Chat template warmup completed in 0.1s") and passes("anything else")
