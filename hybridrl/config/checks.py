@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from hybridrl.config.checks_model import check_against_checkpoint, check_architecture
 from hybridrl.config.schema import (
     ADV_ESTIMATORS,
     CRITIC_ESTIMATORS,
@@ -310,7 +311,7 @@ def check_sources(cfg: RunConfig, world: int) -> None:
         key = "data.train_files" if cfg.data.train_files else "data.val_files"
         _fail(f"data.demo_task (true) makes its own prompts and would ignore {key} ({_get(cfg, key)}); set "
               "data.demo_task=false to train on your files", key)  # fmt: skip
-    _check_architecture_against_checkpoint(m)
+    check_against_checkpoint(m)
     rw = cfg.reward
     if rw.model.enable and not rw.model.path:
         _fail("reward.model.path is null but reward.model.enable is true; set reward.model.path", "reward.model.path")
@@ -332,32 +333,6 @@ def check_sources(cfg: RunConfig, world: int) -> None:
             f"(got {t.resume_mode!r}); set both or neither",
             "trainer.resume_from_path",
         )
-
-
-SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")  # fmt: skip
-"""model.architecture fields that decide the weights' shapes: next to a checkpoint they must agree with it."""
-
-
-def _check_architecture_against_checkpoint(m: Any) -> None:
-    """An architecture field next to a local checkpoint overrides its config.json (rope_theta, context length:
-    fine); one that changes a weight's shape cannot load, e.g. a tiny config's block left in place."""
-    config = os.path.join(m.path, "config.json") if m.path else None
-    if not config or not os.path.isfile(config):
-        return
-    import json
-
-    with open(config, encoding="utf-8") as f:
-        ckpt = json.load(f)
-    for name in SHAPE_FIELDS:
-        mine, theirs = getattr(m.architecture, name), ckpt.get(name)
-        if mine is not None and theirs is not None and mine != theirs:
-            _fail(
-                f"model.architecture.{name} ({_show(mine)}) differs from {name} ({_show(theirs)}) in model.path's "
-                f"config.json: its weights have the checkpoint's shapes; set model.architecture.{name}=null (or drop "
-                "the model.architecture block)",
-                f"model.architecture.{name}",
-            )
 
 
 def check_world(cfg: RunConfig, world: int) -> None:
@@ -525,60 +500,6 @@ def check_algorithm_roles(cfg: RunConfig, world: int) -> None:
     for key in ("actor.use_kl_loss", "algorithm.use_kl_in_reward"):
         if _get(cfg, key) and not cfg.ref.enable:
             _fail(f"ref.enable (false) must be true when {key} is true; set ref.enable=null", "ref.enable")
-
-
-def check_architecture(cfg: RunConfig, world: int) -> None:
-    """Heads, KV groups, layers and positions split over TP / PP, for the model as far as it is known before
-    loading (:func:`hybridrl.config.memory.model_fields`: model.architecture, a local checkpoint's config.json,
-    the public shape of a packaged config's model); a separate critic checkpoint too."""
-    from hybridrl.config.memory import model_fields
-
-    _check_shape(cfg, model_fields(cfg), cfg.model.path, rollout=True)
-    critic = cfg.critic.model_path
-    if cfg.critic.enable and critic and critic != cfg.model.path:
-        _check_shape(cfg, model_fields(cfg, critic), critic, rollout=False)
-
-
-def _check_shape(cfg: RunConfig, fields: dict[str, Any], path: str | None, rollout: bool) -> None:
-    m, rtp = cfg.actor.megatron, cfg.rollout.tp_size
-    given = {k for k, v in vars(cfg.model.architecture).items() if v is not None} if path == cfg.model.path else set()
-
-    def name(field: str) -> str:  # the key a user edits, or where the value came from
-        return f"model.architecture.{field}" if field in given or path is None else f"{field} of {path}"
-
-    hidden, heads, head_dim = fields.get("hidden_size"), fields.get("num_attention_heads"), fields.get("head_dim")
-    groups = fields.get("num_key_value_heads") or heads
-    if hidden and heads and head_dim is None and hidden % heads:
-        _fail(f"{name('hidden_size')} ({hidden}) must be divisible by num_attention_heads ({heads}), or set "
-              "model.architecture.head_dim", name("hidden_size"))  # fmt: skip
-    if heads and heads % m.tp_size:
-        _fail(f"{name('num_attention_heads')} ({heads}) must be divisible by actor.megatron.tp_size ({m.tp_size}); "
-              "choose a tp_size that divides it", "actor.megatron.tp_size")  # fmt: skip
-    if heads and groups and heads % groups:
-        _fail(f"{name('num_attention_heads')} ({heads}) must be divisible by num_key_value_heads ({groups})",
-              name("num_key_value_heads"))  # fmt: skip
-    if groups and groups % m.tp_size:
-        _fail(f"{name('num_key_value_heads')} ({groups}) must be divisible by actor.megatron.tp_size ({m.tp_size}); "
-              "choose a tp_size that divides it", "actor.megatron.tp_size")  # fmt: skip
-    if rollout and heads and heads % rtp:
-        _fail(f"{name('num_attention_heads')} ({heads}) must be divisible by rollout.tp_size ({rtp}); choose a "
-              "rollout.tp_size that divides it", "rollout.tp_size")  # fmt: skip
-    if rollout and groups and groups % rtp and rtp % groups:
-        _fail(f"{name('num_key_value_heads')} ({groups}) and rollout.tp_size ({rtp}) must divide one another",
-              "rollout.tp_size")  # fmt: skip
-    positions, length = fields.get("max_position_embeddings"), cfg.rollout.max_model_len
-    # with rope_scaling the usable context depends on the scaling type (vLLM's own check applies)
-    if rollout and positions and positions < length and not fields.get("rope_scaling"):
-        _fail(f"{name('max_position_embeddings')} ({positions}) must be >= rollout.max_model_len ({length}); lower "
-              "data.max_prompt_length + data.max_response_length (or, if the checkpoint takes longer inputs, set "
-              "model.architecture.max_position_embeddings)", "rollout.max_model_len")  # fmt: skip
-    stages, layers = m.pp_size * m.vpp_size, fields.get("num_hidden_layers")
-    if layers and layers % stages:
-        _fail(
-            f"{name('num_hidden_layers')} ({layers}) must be divisible by actor.megatron.pp_size ({m.pp_size}) * "
-            f"vpp_size ({m.vpp_size}) = {stages}; choose sizes that divide it",
-            "actor.megatron.pp_size",
-        )
 
 
 CHECKS: tuple[Callable[[RunConfig, int], None], ...] = (
