@@ -139,7 +139,11 @@ def cmd_export(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from hybridrl.trainer.main import export
 
-    export(args.checkpoint, args.out, role=args.role, tp=args.tp, pp=args.pp)
+    try:
+        export(args.checkpoint, args.out, role=args.role, tp=args.tp, pp=args.pp)
+    except FileNotFoundError as err:  # a wrong folder: one line per rank, not a traceback
+        print(f"export error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

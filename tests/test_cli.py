@@ -230,3 +230,19 @@ def test_train_help_is_usage_and_success():
     assert done.returncode == 0 and done.stdout.startswith("usage: hybridrl train CONFIG [key=value ...]")
     bare = subprocess.run([sys.executable, "-m", "hybridrl", "train"], capture_output=True, text=True)
     assert bare.returncode == 2 and bare.stderr.startswith("usage: hybridrl train")
+
+
+def test_export_of_a_run_folder_names_its_newest_checkpoint(tmp_path):
+    """Exporting the run folder instead of one of its global_step_N folders: one line pointing at the newest."""
+    for step in (2, 10):
+        (tmp_path / f"global_step_{step}").mkdir()
+        (tmp_path / f"global_step_{step}" / "meta.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    cmd = [sys.executable, "-m", "hybridrl", "export", str(tmp_path), str(tmp_path / "out")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (  # after Megatron's import warnings
+        f"export error: {tmp_path}/actor/model not found; pass a global_step_N folder holding the actor; it holds "
+        f"checkpoints: the newest is {tmp_path}/global_step_10"
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -43,6 +44,10 @@ def _jit_build() -> ModuleType:
         sources.append(CSRC / "reshard_cuda.cu")
         cflags.append("-DHYBRIDRL_WITH_CUDA")
         name = "hybridrl_reshard_cuda"
+    built = os.path.join(cpp_extension._get_build_directory(name, False), f"{name}.so")
+    if not os.path.isfile(built):  # a first build takes a minute or two: say why the process pauses
+        print(f"[hybridrl] building the reshard kernel from csrc/ (once; cached in {os.path.dirname(built)})",
+              file=sys.stderr, flush=True)  # fmt: skip
     return cpp_extension.load(
         name=name,
         sources=[str(s) for s in sources],

@@ -99,6 +99,7 @@ class CheckpointManager:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             self._prune()
+            print(f"[hybridrl] checkpoint saved: {final}", flush=True)
         dist.barrier()
         return final
 

@@ -194,7 +194,11 @@ def export(checkpoint: str, out: str, role: str = "actor", tp: int = 1, pp: int 
 
     role_dir = os.path.join(checkpoint, role)
     if not os.path.isdir(os.path.join(role_dir, "model")):
-        raise FileNotFoundError(f"{role_dir}/model not found; pass a global_step_N folder holding the {role}")
+        from hybridrl.trainer.checkpoint import complete_checkpoints
+
+        inside = complete_checkpoints(checkpoint)  # a run folder (trainer.default_local_dir) instead of a step
+        hint = f"; it holds checkpoints: the newest is {inside[-1][1]}" if inside else ""
+        raise FileNotFoundError(f"{role_dir}/model not found; pass a global_step_N folder holding the {role}{hint}")
     build_from_checkpoint(role_dir, role).export(out)
     if penv.rank == 0:
         print(f"[hybridrl] exported {role} of {checkpoint} to {out}", flush=True)
