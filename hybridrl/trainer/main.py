@@ -38,8 +38,7 @@ def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
         stop_string_tokenizer(list(cfg.rollout.stop), tokenizer)
         model_path = cfg.model.path or os.path.join(out, "model")
         return model_path, tokenizer, [os.path.join(out, "train.parquet")], [os.path.join(out, "val.parquet")]
-    if cfg.model.path is None:
-        raise ValueError("model.path is null and data.demo_task is false; set model.path to an HF checkpoint folder")
+    # model.path is set here: the config checks refuse demo_task=false without it
     cfg.model.path = resolve_checkpoint(cfg.model.path, "model.path")
     overridden = os.path.join(cfg.trainer.default_local_dir, "model_with_overrides")
     cfg.model.path = apply_architecture_overrides(cfg.model.architecture, cfg.model.path, overridden)
@@ -57,8 +56,9 @@ def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
 def apply_architecture_overrides(architecture: Any, path: str, out: str) -> str:
     """``model.architecture`` fields given next to a ``model.path`` override its config.json: a folder ``out``
     holding the edited config.json and links to every other file of ``path`` (weights are not copied) is
-    made by rank 0 and returned; ``path`` itself when nothing differs. A field that changes a weight's shape
-    then fails at load with the loader's one-line error naming the tensor."""
+    made by rank 0 and returned; ``path`` itself when nothing differs. A field that shapes the weights is
+    refused by the config checks for a local ``model.path`` (``checks_model.check_against_checkpoint``); for a
+    Hub name, known only once downloaded, the loader's one-line error at load names the tensor."""
     wanted = {k: v for k, v in dataclasses.asdict(architecture).items() if v is not None}
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
