@@ -8,8 +8,10 @@
 
 #include <cstdint>
 
-#if defined(HYBRIDRL_WITH_CUDA) || defined(__CUDACC__)
+#if defined(HYBRIDRL_WITH_CUDA) || defined(__CUDACC__) || defined(HYBRIDRL_CUDA_EMULATION)
+#ifndef HYBRIDRL_CUDA_EMULATION  // tests/ops/cuda_emulation/ defines the few CUDA names used here for a host build
 #include <cuda_runtime.h>
+#endif
 #define HYBRIDRL_RESHARD_HAS_CUDA_API 1
 // Bytes of one GPU work item: a longer row is split into several items, copied by several thread blocks.
 #define HYBRIDRL_RESHARD_CHUNK_BYTES (int64_t{64} << 10)

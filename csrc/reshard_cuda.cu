@@ -7,6 +7,10 @@
 // at a time (grid-stride). A row is copied with the widest access its src and dst share an alignment for:
 // uint4 (16 B) when both addresses are equal mod 16, after a scalar head that reaches the 16-byte boundary and
 // before a scalar tail; 8/4/2/1-byte accesses otherwise.
+//
+// tests/ops/cuda_emulation/ also compiles this file for the host, with HYBRIDRL_CUDA_EMULATION: the launch below
+// becomes a loop over every (block, thread) and HYBRIDRL_CUDA_ROW_HOOK checks each row's vector accesses are
+// aligned, so machines without a GPU test the kernel's index arithmetic against the PyTorch reference.
 #include <algorithm>
 #include <cstdint>
 
@@ -16,7 +20,13 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;       // loads in flight per thread before the stores
-constexpr int64_t kMaxGrid = 1 << 20;  // rows beyond this are handled by the grid-stride loop
+#ifndef HYBRIDRL_RESHARD_MAX_GRID  // the emulation test lowers it to run the grid-stride loop on small tables
+#define HYBRIDRL_RESHARD_MAX_GRID (1 << 20)
+#endif
+#ifndef HYBRIDRL_CUDA_ROW_HOOK
+#define HYBRIDRL_CUDA_ROW_HOOK(src_vec, dst_vec, width, n_vec)
+#endif
+constexpr int64_t kMaxGrid = HYBRIDRL_RESHARD_MAX_GRID;  // chunks beyond this are handled by the grid-stride loop
 
 // Copies n bytes from s to d (s and d equal mod sizeof(T)) with the thread block's threads.
 template <typename T>
@@ -28,6 +38,7 @@ __device__ void copy_row(const char* __restrict__ s, char* __restrict__ d, int64
   for (int64_t i = threadIdx.x; i < head; i += blockDim.x) d[i] = s[i];
   const T* __restrict__ sv = reinterpret_cast<const T*>(s + head);
   T* __restrict__ dv = reinterpret_cast<T*>(d + head);
+  HYBRIDRL_CUDA_ROW_HOOK(sv, dv, w, body);
   const int64_t step = blockDim.x;
   int64_t i = threadIdx.x;
   for (; i + (kUnroll - 1) * step < body; i += kUnroll * step) {
@@ -84,6 +95,11 @@ extern "C" int64_t hybridrl_block_copy_cuda_chunks(const int64_t* rows, int64_t 
 extern "C" cudaError_t hybridrl_block_copy_cuda(const int64_t* chunks_dev, int64_t n_chunks, cudaStream_t stream) {
   if (n_chunks == 0) return cudaSuccess;
   const auto grid = static_cast<unsigned int>(std::min(n_chunks, kMaxGrid));
+#ifdef HYBRIDRL_CUDA_EMULATION
+  (void)stream;
+  hybridrl_emulated_launch(grid, kThreads, [=] { block_copy_kernel(chunks_dev, n_chunks); });
+#else
   block_copy_kernel<<<grid, kThreads, 0, stream>>>(chunks_dev, n_chunks);
+#endif
   return cudaGetLastError();
 }
