@@ -16,6 +16,7 @@ launch scripts read trainer.n_gpus_per_node so). ``export`` writes a checkpoint'
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import hybridrl
@@ -126,7 +127,26 @@ def cmd_validate_config(argv: list[str]) -> int:
     from hybridrl.config.memory import report
 
     print(report(cfg, device_gib=args.device_gib))
+    for line in missing_data_files(cfg):
+        print(line)
     return 0
+
+
+def missing_data_files(cfg) -> list[str]:
+    """One warning line per local data file the run would not find here (a run stops on the first at start).
+
+    Only a warning: validate-config may run on a login node whose file system differs from the compute nodes'."""
+    if cfg.data.demo_task:
+        return []
+    out = []
+    for key in ("train_files", "val_files"):
+        for i, name in enumerate(getattr(cfg.data, key)):
+            if not os.path.isfile(name):
+                out.append(
+                    f"# warning: data.{key}[{i}] {name!r} does not exist on this machine; a run stops at start "
+                    f"unless it exists where the run starts (a .parquet or .jsonl file, see README 'Your data')"
+                )
+    return out
 
 
 def cmd_export(argv: list[str]) -> int:

@@ -30,6 +30,20 @@ def test_validate_config_resolves_and_overrides(capsys):
     assert "actor   tp=1 pp=1 dp=2 (world 2)" in out
 
 
+def test_validate_config_warns_of_missing_data_files(capsys, tmp_path):
+    present = tmp_path / "train.jsonl"
+    present.write_text('{"prompt": "1+1"}\n')
+    missing = tmp_path / "nope.parquet"
+    args = ["validate-config", "tiny_cpu.yaml", "--quiet", "data.demo_task=false", f"model.path={tmp_path}"]
+    files = [f"data.train_files=[{present}]", f"data.val_files=[{present},{missing}]"]
+    assert main([*args, *files]) == 0  # a warning: the run's machine may see other files
+    out = capsys.readouterr().out
+    assert f"# warning: data.val_files[1] '{missing}' does not exist on this machine" in out
+    assert out.count("# warning: data.") == 1
+    assert main(["validate-config", "tiny_cpu.yaml", "--quiet"]) == 0  # the demo task makes its own data
+    assert "# warning: data." not in capsys.readouterr().out
+
+
 def test_validate_config_error_is_one_line(capsys):
     assert main(["validate-config", "tiny_cpu.yaml", "actor.megatron.tp_szie=2"]) == 2
     err = capsys.readouterr().err.strip()
