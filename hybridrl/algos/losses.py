@@ -35,7 +35,8 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Ten
         seq-mean-token-mean:  sum_i (sum_t l_it m_it / n_i) / N_seq
 
     "token-mean" weighs every token equally (DAPO, Yu et al. 2025, sec. 3.3); "seq-mean-token-mean" every
-    sequence (the GRPO paper's eq. 3); "seq-mean-token-sum" avoids the length normalisation (Dr. GRPO).
+    sequence (the GRPO paper's eq. 3); "seq-mean-token-sum" avoids the length normalisation (Dr. GRPO, whose
+    constant denominator, the generation budget, differs from N_seq only by a learning-rate scale).
     Denominators are at least 1, so a batch without valid tokens gives 0.
 
     Args:

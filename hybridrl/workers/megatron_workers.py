@@ -399,10 +399,14 @@ class RewardModelWorker:
         mbs = self.cfg.reward.model.micro_batch_size_per_gpu
         # compute_values reads response token t's value where t is predicted (p + t - 1); the reward model's
         # score belongs to the last token itself, so the batch gets one more (padding) response column and
-        # the score is read at index n (the response length): the output at the last valid token.
+        # the score is read at index last + 1: the output at the last valid token. A mask may have gaps (tokens
+        # the policy did not write, e.g. a tool's output), so "last" is the last 1, not the number of 1s; a row
+        # without response tokens reads index 0 (the prompt's last token).
         b = data.batch
         pad = torch.zeros(len(data), 1, dtype=b["input_ids"].dtype, device=b["input_ids"].device)
-        lengths = b["response_mask"].sum(1).long()
+        mask = b["response_mask"].bool()
+        last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)
+        lengths = torch.where(mask.any(-1), last + 1, 0).long()
         batch = {
             "input_ids": torch.cat([b["input_ids"], pad], 1),
             "attention_mask": torch.cat([b["attention_mask"], torch.zeros_like(pad)], 1),
