@@ -100,7 +100,7 @@ class ActorConfig:
     """Actor optimizer."""
     ppo_mini_batch_size: int = 64
     """Responses (prompts x rollout.n) per optimizer step, over all DP ranks; must divide
-    data.train_batch_size * rollout.n."""
+    data.train_batch_size * rollout.n. verl counts prompts here: multiply a verl config's value by rollout.n."""
     ppo_micro_batch_size_per_gpu: int = 4
     """Responses per forward/backward micro-batch on one DP rank (gradient accumulation unit)."""
     ppo_epochs: int = 1
