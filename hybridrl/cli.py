@@ -167,6 +167,20 @@ def cmd_export(argv: list[str]) -> int:
     return 0
 
 
+def _input_error_kind(err: BaseException) -> str | None:
+    """'config' / 'launch' / 'data' / 'checkpoint' for the errors of bad input (their message is one line naming
+    the key or file and the fix); None for anything else (a bug: keep its traceback)."""
+    from hybridrl.config import ConfigError
+    from hybridrl.data.files import DataError
+    from hybridrl.distributed.env import LaunchError
+
+    kinds: list[tuple[type, str]] = [(ConfigError, "config"), (LaunchError, "launch"), (DataError, "data")]
+    ckpt = sys.modules.get("hybridrl.trainer.checkpoint")  # not imported yet: the error cannot come from it
+    if ckpt is not None:
+        kinds.append((ckpt.ResumeError, "checkpoint"))
+    return next((name for cls, name in kinds if isinstance(err, cls)), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -190,14 +204,15 @@ def main(argv: list[str] | None = None) -> int:
             asked = bool(rest) and rest[0] in ("-h", "--help")
             print(usage, file=sys.stdout if asked else sys.stderr)
             return 0 if asked else 2
-        from hybridrl.config import ConfigError
-        from hybridrl.distributed.env import LaunchError
         from hybridrl.trainer.main import train
 
         try:
             train(rest[0], rest[1:])
-        except (ConfigError, LaunchError) as err:  # every rank would print the same traceback; the message says it
-            print(f"{'config' if isinstance(err, ConfigError) else 'launch'} error: {err}", file=sys.stderr)
+        except Exception as err:  # every rank would print the same traceback; the one-line message says it all
+            kind = _input_error_kind(err)
+            if kind is None:
+                raise
+            print(f"{kind} error: {err}", file=sys.stderr)
             return 2
         return 0
     print(f"unknown command {command!r}; run 'hybridrl --help' for the list", file=sys.stderr)

@@ -86,6 +86,37 @@ def test_train_config_error_is_one_line():
     ), result.stderr[-2000:]
 
 
+@pytest.mark.parametrize(
+    ("error", "printed"),
+    [
+        ("hybridrl.data.files:DataError", "data error: t.parquet: row 3: column 'prompt' is an empty string"),
+        (
+            "hybridrl.trainer.checkpoint:ResumeError",
+            "checkpoint error: t.parquet: row 3: column 'prompt' is an empty string",
+        ),
+        ("builtins:RuntimeError", None),  # not bad input: a bug keeps its traceback
+    ],
+)
+def test_train_prints_bad_input_errors_in_one_line(monkeypatch, capsys, error, printed):
+    import importlib
+
+    import hybridrl.trainer.main
+
+    module, name = error.split(":")
+    cls = getattr(importlib.import_module(module), name)
+
+    def fail(config, overrides):
+        raise cls("t.parquet: row 3: column 'prompt' is an empty string")
+
+    monkeypatch.setattr(hybridrl.trainer.main, "train", fail)
+    if printed is None:
+        with pytest.raises(cls):
+            main(["train", "tiny_cpu.yaml"])
+        return
+    assert main(["train", "tiny_cpu.yaml"]) == 2
+    assert capsys.readouterr().err == printed + "\n"
+
+
 def test_python_dash_m_entry():
     result = subprocess.run([sys.executable, "-m", "hybridrl", "--version"], capture_output=True, text=True)
     import hybridrl

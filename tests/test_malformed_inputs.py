@@ -98,8 +98,9 @@ def _scorer(source: str | None, name="compute_score", unknown_source=None):
     return build
 
 
-def _val_source(source: str):
-    """A training file the registry scores, a validation file whose data_source it does not know."""
+def _val_source(source: str = "gsm8k", **columns):
+    """A training file the registry scores, a validation file whose row is ``_row(data_source=source, **columns)``
+    (a data_source the registry does not know, a reward_model without a ground truth)."""
 
     def build(tmp, assets):
         import pyarrow as pa
@@ -110,7 +111,7 @@ def _val_source(source: str):
         from hybridrl.rewards import RewardManager
         from hybridrl.trainer.main import check_reward_sources
 
-        for name, row in (("train", _row()), ("val", _row(data_source=source))):
+        for name, row in (("train", _row()), ("val", _row(data_source=source, **columns))):
             pq.write_table(pa.Table.from_pylist([row]), tmp / f"{name}.parquet")
         train, val = (RLHFDataset([tmp / f"{n}.parquet"], assets.tokenizer) for n in ("train", "val"))
         return lambda: check_reward_sources(RewardManager.from_config(RewardConfig()), train, val)
@@ -269,6 +270,9 @@ CASES = [
           "no reward scorer for data_source 'unknown/source'; known: [", "set reward.scorer, reward.custom.path"),
     _case("data-scorer-unknown-val-source", _val_source("val/only"), ValueError,
           "no reward scorer for data_source 'val/only'; known: [", "set reward.scorer, reward.custom.path"),
+    _case("data-val-without-ground-truth", _val_source(reward_model={"answer": "42"}), ValueError,
+          "<tmp>/val.parquet: row 0 (reward_model keys ['answer']): reward_model.ground_truth is missing or null",
+          "the built-in scorer would give 0 to every response; add it to each row"),
     _case("data-scorer-missing-function", _scorer("def score(a, b, c, d):\n    return 1.0\n"), ValueError,
           "reward.custom.name 'compute_score' is not a function in '<tmp>/my_reward.py' (it defines ['score'])"),
     _case("data-scorer-syntax-error", _scorer("def compute_score(:\n"), ValueError,
@@ -317,20 +321,21 @@ CASES = [
     _case("ckpt-causal-lm-as-reward-model", _hf(head="score"), "CheckpointError",
           "tensor score.weight is missing from <tmp>/ckpt", "*ForSequenceClassification checkpoint with num_labels=1"),
     # ---- trainer checkpoints (CheckpointManager.resume_path) --------------------------------------------
-    _case("ckpt-resume-missing-folder", _resume(target="global_step_5"), FileNotFoundError,
+    _case("ckpt-resume-missing-folder", _resume(target="global_step_5"), "ResumeError",
           "trainer.resume_from_path ('<tmp>/global_step_5') is not a complete checkpoint folder"),
     _case("ckpt-resume-incomplete-tmp-folder",
-          _resume(target="global_step_5.tmp", make=["global_step_5.tmp/actor"]), FileNotFoundError,
+          _resume(target="global_step_5.tmp", make=["global_step_5.tmp/actor"]), "ResumeError",
           "trainer.resume_from_path ('<tmp>/global_step_5.tmp') is not a complete checkpoint folder"),
-    _case("ckpt-resume-path-null", _resume(), ValueError,
+    _case("ckpt-resume-path-null", _resume(), "ResumeError",
           "trainer.resume_mode is 'path' but trainer.resume_from_path is null; set it"),
-    _case("ckpt-resume-bad-mode", _resume(mode="latest"), ValueError,
+    _case("ckpt-resume-bad-mode", _resume(mode="latest"), "ResumeError",
           "trainer.resume_mode ('latest') must be one of ('auto', 'disable', 'path')"),
 ]  # fmt: skip
 
 _EXCEPTIONS = {
     "HFConfigError": ("hybridrl.mcore.hf_config", "HFConfigError"),
     "CheckpointError": ("hybridrl.mcore.bridge_checkpoint", "CheckpointError"),
+    "ResumeError": ("hybridrl.trainer.checkpoint", "ResumeError"),
 }
 
 

@@ -132,6 +132,8 @@ class RLHFDataset:
     Attributes:
         stats: ``files``, ``rows_read``, ``rows_filtered_overlong``, ``rows_truncated``, ``rows``.
         data_sources: the distinct ``data_source`` values (check them against the reward registry early).
+        without_ground_truth: ``"<file>: row <r> (reward_model keys [...])"`` of each row whose
+            ``reward_model.ground_truth`` is missing or null (an error where a built-in scorer scores them).
 
     Raises:
         FileNotFoundError / ValueError: a missing or unreadable file, a missing column, a bad or empty
@@ -149,6 +151,7 @@ class RLHFDataset:
         self.max_prompt_length = self.options.max_prompt_length
         self.max_response_length = self.options.max_response_length
         self._rows: list[dict[str, Any]] = []
+        self.without_ground_truth: list[str] = []
         self.stats = {"files": len(self.data_files), "rows_read": 0, "rows_filtered_overlong": 0, "rows_truncated": 0}
         for file_idx, path in enumerate(self.data_files):
             self._load_file(file_idx, path)
@@ -194,7 +197,7 @@ class RLHFDataset:
                     "ids": ids,
                     "raw_prompt": prompt if isinstance(prompt, str) else messages,
                     "data_source": source,
-                    "ground_truth": _as_dict(cols["reward_model"][row], where, "reward_model").get("ground_truth"),
+                    "ground_truth": self._ground_truth(cols["reward_model"][row], where),
                     "extra_info": _as_dict(cols["extra_info"][row], where, "extra_info"),
                     "uid": f"{file_idx}/{row}",
                 }
@@ -206,6 +209,12 @@ class RLHFDataset:
                 f"{path}: row {row}{also}: prompt has {n} tokens > data.max_prompt_length ({limit}); raise it, "
                 "set data.truncation to left/right, or set data.filter_overlong_prompts=true"
             )
+
+    def _ground_truth(self, value: Any, where: str) -> Any:
+        reward_model = _as_dict(value, where, "reward_model")
+        if reward_model.get("ground_truth") is None:
+            self.without_ground_truth.append(f"{where} (reward_model keys {sorted(reward_model)})")
+        return reward_model.get("ground_truth")
 
     def __len__(self) -> int:
         return len(self._rows)

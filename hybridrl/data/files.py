@@ -18,6 +18,10 @@ from typing import Any
 JSONL_SUFFIXES = (".jsonl", ".json")
 
 
+class DataError(ValueError):
+    """Bad training or validation data, as the trainer reports it: one line naming the file, the row and the fix."""
+
+
 def _read_table(path: Path, wanted: Sequence[str]) -> tuple[list[str], dict[str, list[Any]]]:
     """All column names of one file, and column name -> values for the ``wanted`` columns it has."""
     if path.suffix == ".json" and _starts_with(path, "["):  # a JSON array of row objects (not JSON Lines)

@@ -144,6 +144,8 @@ class RewardManager:
         self.score_fn = score_fn or default_compute_score
         self.timeout_s, self.max_workers = timeout_s, max_workers
         self.totals = {"samples": 0, "errors": 0, "timeouts": 0}
+        self.needs_ground_truth = score_fn is None
+        """The scorer compares each response with ``reward_model.ground_truth`` (the built-in ones do)."""
 
     @classmethod
     def from_config(cls, cfg: Any, max_workers: int = 8) -> RewardManager | None:
@@ -163,17 +165,33 @@ class RewardManager:
             )
         else:
             fn = fixed_scorer(cfg.scorer)
-        return cls(fn, timeout_s=cfg.timeout_s, max_workers=max_workers)
+        manager = cls(fn, timeout_s=cfg.timeout_s, max_workers=max_workers)
+        manager.needs_ground_truth = not (cfg.scorer == "auto" and cfg.custom.path)  # built-in scorers compare
+        return manager
 
-    def check_data_sources(self, data_sources: Iterable[str]) -> None:
-        """Before training: every data_source has a registered scorer (only for the registry dispatch).
+    def check_data_sources(self, data_sources: Iterable[str], without_ground_truth: Sequence[str] = ()) -> None:
+        """Before training: every data_source has a registered scorer (only for the registry dispatch), and a
+        built-in scorer gets a ground truth in every row.
+
+        Args:
+            data_sources: the data's ``data_source`` values.
+            without_ground_truth: ``"<file>: row <r> (reward_model keys [...])"`` of the rows whose
+                ``reward_model.ground_truth`` is missing or null (:attr:`RLHFDataset.without_ground_truth`).
 
         Raises:
-            ValueError: the first data_source without a scorer (the message lists the known ones).
+            ValueError: the first data_source without a scorer (the message lists the known ones), or the first
+                row without a ground truth: a built-in scorer would give it 0 whatever the response.
         """
         if self.score_fn is default_compute_score:
             for source in data_sources:
                 get_scorer(source)
+        if self.needs_ground_truth and without_ground_truth:
+            more = len(without_ground_truth) - 1
+            raise ValueError(
+                f"{without_ground_truth[0]}{f' and {more} more rows' if more else ''}: reward_model.ground_truth is "
+                "missing or null, so the built-in scorer would give 0 to every response; add it to each row, or "
+                "score with reward.custom.path (or a reward model with reward.scorer=null)"
+            )
 
     def __call__(
         self,

@@ -5,14 +5,20 @@
         rng_rank{r}.pt        Python / NumPy / torch / Megatron-tracker RNG states of rank r
         trainer.pt            step, data-loader position, KL controller, worker versions, tracker state
         meta.json             written last: step, layout (its presence marks a complete checkpoint)
+    <default_local_dir>/latest_checkpoint.txt    the folder name of the newest save (rewritten after each)
 
 A save goes to ``global_step_N.tmp/`` and is renamed to ``global_step_N/`` by rank 0 only after every rank
 has finished writing (barrier), so a crash mid-save leaves a ``.tmp`` folder that resume ignores and the
 last good checkpoint untouched. The reference policy is not saved (it is frozen: rebuilt from the model
 path). The folder must be visible to every rank (one node, or a shared file system).
 
-Resume (``trainer.resume_mode``): ``auto`` takes the newest complete ``global_step_N`` in
-``default_local_dir`` (none: start fresh), ``path`` takes ``resume_from_path``, ``disable`` never resumes.
+Resume (``trainer.resume_mode``): ``auto`` takes the newest save in ``default_local_dir`` (the one
+``latest_checkpoint.txt`` names, else the highest complete ``global_step_N``; none: start fresh), ``path`` takes
+``resume_from_path``, ``disable`` never resumes.
+
+A run that starts below the folder's highest step (``disable``, or ``path`` to an older step) leaves the higher
+``global_step_N`` of the earlier run alone, overwrites the steps it reaches itself, and prunes (``max_ckpt_to_keep``)
+only among steps up to its own: keep-last-K never deletes the save just written.
 Under the same layout the run continues bit-exactly; under another one the weights load exactly and the
 optimizer moments restart (see :mod:`hybridrl.mcore.checkpoint`).
 
@@ -37,6 +43,11 @@ from hybridrl.mcore import checkpoint as mckpt
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 RESUME_MODES = ("auto", "disable", "path")
+LATEST = "latest_checkpoint.txt"
+
+
+class ResumeError(ValueError):
+    """A checkpoint that cannot resume this run (one line: what differs and what to do)."""
 
 
 def crash_for_test(step: int) -> None:
@@ -58,14 +69,35 @@ def complete_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def newest_checkpoint(root: str) -> str | None:
+    """The folder of the newest save under ``root``: the one ``latest_checkpoint.txt`` names when it is complete
+    (a run restarted from an older step saves below an earlier run's highest step), else the highest step."""
+    try:
+        with open(os.path.join(root, LATEST), encoding="utf-8") as f:
+            name = f.read().strip()
+    except OSError:
+        name = ""
+    if _STEP_DIR.match(name) and os.path.isfile(os.path.join(root, name, "meta.json")):
+        return os.path.join(root, name)
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def _write_latest(root: str, folder: str) -> None:
+    tmp = os.path.join(root, LATEST + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(os.path.basename(folder) + "\n")
+    os.replace(tmp, os.path.join(root, LATEST))
+
+
 class CheckpointManager:
     """Saves and restores an :class:`~hybridrl.trainer.rl_trainer.RLTrainer`'s state (see the module docs)."""
 
     def __init__(self, cfg: TrainerConfig) -> None:
         if cfg.resume_mode not in RESUME_MODES:
-            raise ValueError(f"trainer.resume_mode ({cfg.resume_mode!r}) must be one of {RESUME_MODES}")
+            raise ResumeError(f"trainer.resume_mode ({cfg.resume_mode!r}) must be one of {RESUME_MODES}")
         if cfg.resume_mode == "path" and not cfg.resume_from_path:
-            raise ValueError("trainer.resume_mode is 'path' but trainer.resume_from_path is null; set it")
+            raise ResumeError("trainer.resume_mode is 'path' but trainer.resume_from_path is null; set it")
         self.cfg = cfg
         self.root = cfg.default_local_dir
         self.resumed_from: str | None = None
@@ -98,12 +130,13 @@ class CheckpointManager:
                 json.dump({"step": trainer.step, "layout": mckpt.layout_signature()}, f)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            self._prune()
+            _write_latest(self.root, final)
+            self._prune(trainer.step)
             print(f"[hybridrl] checkpoint saved: {final}", flush=True)
         dist.barrier()
         return final
 
-    def _prune(self) -> None:
+    def _prune(self, step: int) -> None:
         # half-written saves of crashed runs (never resumed from): a complete, newer checkpoint now exists
         for name in os.listdir(self.root):
             if re.fullmatch(r"global_step_\d+\.tmp", name):
@@ -111,7 +144,9 @@ class CheckpointManager:
         keep = self.cfg.max_ckpt_to_keep
         if keep is None or keep <= 0:
             return
-        for _, folder in complete_checkpoints(self.root)[:-keep]:
+        # this run's steps only: higher ones belong to an earlier run this one restarted below (left alone)
+        ours = [folder for s, folder in complete_checkpoints(self.root) if s <= step]
+        for folder in ours[:-keep]:
             shutil.rmtree(folder, ignore_errors=True)
 
     @staticmethod
@@ -137,25 +172,33 @@ class CheckpointManager:
         if self.cfg.resume_mode == "path":
             path = self.cfg.resume_from_path
             if not os.path.isfile(os.path.join(path, "meta.json")):
-                raise FileNotFoundError(
+                raise ResumeError(
                     f"trainer.resume_from_path ({path!r}) is not a complete checkpoint folder (no meta.json); "
                     f"point it at a global_step_N folder, or set trainer.resume_mode=auto"
                 )
             return path
-        found = complete_checkpoints(self.root)
-        return found[-1][1] if found else None
+        return newest_checkpoint(self.root)
 
     def maybe_resume(self, trainer: Any) -> bool:
         """Restore ``trainer`` from the selected checkpoint, if any (collective); True when it resumed."""
         path = self.resume_path()
+        self._note_other_runs(0 if path is None else _step_of(path))
         if path is None:
             return False
+        for name, _ in self._roles(trainer):
+            if not os.path.isdir(os.path.join(path, name)):
+                raise ResumeError(
+                    f"checkpoint {path} has no {name} (saved by a run without one); resume it with the same roles "
+                    f"({name}.enable=false), or start fresh: trainer.resume_mode=disable or another default_local_dir"
+                )
         for name, group in self._roles(trainer):
             mckpt.load_role(group.worker.model, group.worker.optimizer, os.path.join(path, name))
         state = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
         trainer.step = int(state["step"])
         trainer.loader.load_state_dict(state["loader"])
-        vars(trainer.kl_ctrl).update(state["kl_ctrl"])
+        saved_kl = state["kl_ctrl"]
+        if "horizon" in saved_kl and hasattr(trainer.kl_ctrl, "horizon"):  # adaptive: only its coefficient moves;
+            trainer.kl_ctrl.value = float(saved_kl["value"])  # target and horizon come from this run's config
         trainer.bad_steps = int(state.get("bad_steps", 0))
         for name, group in self._roles(trainer):
             group.worker.version = state["versions"].get(name, trainer.step)
@@ -170,3 +213,16 @@ class CheckpointManager:
         if dist.get_rank() == 0:
             print(f"[hybridrl] resumed from {path} (step {trainer.step})", flush=True)
         return True
+
+    def _note_other_runs(self, start: int) -> None:
+        """Say so when this run starts below checkpoints of an earlier run in its folder (they are kept)."""
+        higher = [s for s, _ in complete_checkpoints(self.root) if s > start]
+        if higher and dist.get_rank() == 0:
+            print(f"[hybridrl] note: {self.root} holds an earlier run's checkpoints up to global_step_{higher[-1]}; "
+                  f"this run (from step {start}) keeps them, overwrites the steps it saves itself, and "
+                  f"resume_mode=auto will follow its newest save ({LATEST})", flush=True)  # fmt: skip
+
+
+def _step_of(path: str) -> int:
+    with open(os.path.join(path, "meta.json")) as f:
+        return int(json.load(f)["step"])

@@ -141,7 +141,23 @@ def check_reward_sources(reward: Any, train_ds: Any, val_ds: Any | None) -> None
     """Every data_source of the training AND validation data has a scorer (an unknown validation source would
     otherwise score 0 on every sample, silently, each validation)."""
     if reward is not None:
-        reward.check_data_sources([*train_ds.data_sources, *(val_ds.data_sources if val_ds is not None else [])])
+        datasets = [train_ds] if val_ds is None else [train_ds, val_ds]
+        reward.check_data_sources([s for d in datasets for s in d.data_sources],
+                                  [row for d in datasets for row in d.without_ground_truth])  # fmt: skip
+
+
+def data_summary(cfg: RunConfig, train_ds: Any, val_ds: Any | None) -> str:
+    """The start-up line about the data: rows kept, dropped and truncated per set, and the prompts each epoch
+    leaves out because data.train_batch_size does not divide the training set."""
+    out = f"train: {train_ds.summary()}"
+    left_out = len(train_ds) % cfg.data.train_batch_size
+    if left_out:
+        which = "a different set each epoch" if cfg.data.shuffle else "the same last rows every epoch: never trained on"
+        out += (f"; {left_out} left out per epoch ({which}; data.train_batch_size={cfg.data.train_batch_size} "
+                f"does not divide {len(train_ds)})")  # fmt: skip
+    if val_ds is not None:
+        out += f"; validation: {val_ds.summary()}"
+    return out
 
 
 def resolve_total_steps(cfg: RunConfig, num_prompts: int) -> int:
@@ -167,16 +183,20 @@ def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
     init_model_parallel(layout, seed=cfg.trainer.seed)
 
     from hybridrl.data import RLHFDataset
+    from hybridrl.data.files import DataError
     from hybridrl.rewards import RewardManager
     from hybridrl.trainer.rl_trainer import RLTrainer
 
     model_path, tokenizer, train_files, val_files = _data(cfg)
-    train_ds = RLHFDataset(train_files, tokenizer, cfg.data)
-    val_ds = RLHFDataset(val_files, tokenizer, cfg.data) if val_files else None
-    reward = RewardManager.from_config(cfg.reward)  # None: only the reward model scores
-    check_reward_sources(reward, train_ds, val_ds)
+    try:  # the data checks raise one line naming file, row and fix: the CLI prints just that
+        train_ds = RLHFDataset(train_files, tokenizer, cfg.data)
+        val_ds = RLHFDataset(val_files, tokenizer, cfg.data) if val_files else None
+        reward = RewardManager.from_config(cfg.reward)  # None: only the reward model scores
+        check_reward_sources(reward, train_ds, val_ds)
+    except (ValueError, FileNotFoundError) as err:
+        raise DataError(str(err)) from err
     if penv.rank == 0:
-        print(f"[hybridrl] {layout.describe()}; {train_ds.summary()}", flush=True)
+        print(f"[hybridrl] {layout.describe()}; {data_summary(cfg, train_ds, val_ds)}", flush=True)
     resolve_total_steps(cfg, len(train_ds))
     trainer = RLTrainer(cfg, model_path, tokenizer, train_ds, val_ds, reward)
     return trainer.fit()
@@ -194,10 +214,10 @@ def export(checkpoint: str, out: str, role: str = "actor", tp: int = 1, pp: int 
 
     role_dir = os.path.join(checkpoint, role)
     if not os.path.isdir(os.path.join(role_dir, "model")):
-        from hybridrl.trainer.checkpoint import complete_checkpoints
+        from hybridrl.trainer.checkpoint import newest_checkpoint
 
-        inside = complete_checkpoints(checkpoint)  # a run folder (trainer.default_local_dir) instead of a step
-        hint = f"; it holds checkpoints: the newest is {inside[-1][1]}" if inside else ""
+        newest = newest_checkpoint(checkpoint)  # a run folder (trainer.default_local_dir) instead of a step
+        hint = f"; it holds checkpoints: the newest is {newest}" if newest else ""
         raise FileNotFoundError(f"{role_dir}/model not found; pass a global_step_N folder holding the {role}{hint}")
     build_from_checkpoint(role_dir, role).export(out)
     if penv.rank == 0:

@@ -241,25 +241,31 @@ class RLTrainer:
                 metrics.update(self.validate())
             self.tracker.log(metrics, step=self.step)
             history.append(metrics)
-            self.ckpt.maybe_save(self)
-            self._check_bad_steps(metrics)
+            stop = self._count_bad_steps(metrics)  # before the save: the checkpoint holds this step's count
+            saved = self.ckpt.maybe_save(self)
+            if stop:
+                self._stop_bad_steps(saved)
         self.tracker.close()
         return history
 
-    def _check_bad_steps(self, metrics: dict[str, float]) -> None:
-        """Warn on a step whose update was skipped (NaN/Inf); stop after ``trainer.max_bad_steps`` in a row."""
+    def _count_bad_steps(self, metrics: dict[str, float]) -> bool:
+        """Warn on a step whose update was skipped (NaN/Inf); True after ``trainer.max_bad_steps`` in a row."""
         skipped = metrics.get("actor/skipped", 0.0) > 0 or metrics.get("critic/skipped", 0.0) > 0
         self.bad_steps = self.bad_steps + 1 if skipped else 0
         if not skipped:
-            return
+            return False
         limit = self.cfg.trainer.max_bad_steps
         if self.rank == 0:
             print(f"[hybridrl] warning: step {self.step} skipped its update (NaN/Inf loss or grad norm); "
                   f"{self.bad_steps}/{limit} in a row", flush=True)  # fmt: skip
-        if self.bad_steps >= limit:
-            path = self.ckpt.save(self)
-            self.tracker.close()
-            raise RuntimeError(
-                f"trainer.max_bad_steps ({limit}) consecutive steps had NaN/Inf losses or grad norms; stopped at "
-                f"step {self.step} with a checkpoint in {path}; lower actor.optim.lr or check the data and rewards"
-            )
+        return self.bad_steps >= limit
+
+    def _stop_bad_steps(self, saved: str | None) -> None:
+        """Stop the run with a checkpoint of this step (the regular one if it was just written)."""
+        limit = self.cfg.trainer.max_bad_steps
+        path = saved or self.ckpt.save(self)
+        self.tracker.close()
+        raise RuntimeError(
+            f"trainer.max_bad_steps ({limit}) consecutive steps had NaN/Inf losses or grad norms; stopped at "
+            f"step {self.step} with a checkpoint in {path}; lower actor.optim.lr or check the data and rewards"
+        )

@@ -146,8 +146,18 @@ class Tracker:
             return
         self._jsonl.flush()
         path = self._jsonl.name
+        kept, cut = [], 0
         with open(path, encoding="utf-8") as f:
-            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+            for line in f:
+                try:
+                    row = json.loads(line) if line.strip() else None
+                except json.JSONDecodeError:  # a line cut by the crash (disk full, a killed writer)
+                    cut += 1
+                    continue
+                if isinstance(row, dict) and row.get("step", 0) <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        if cut:
+            print(f"[hybridrl] note: dropped {cut} unreadable line(s) of {path} (cut by the crash)", flush=True)
         self._jsonl.seek(0)
         self._jsonl.truncate()
         self._jsonl.writelines(kept)

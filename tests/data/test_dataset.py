@@ -173,6 +173,26 @@ def test_loader_seeded_shuffle_epochs_and_drop_last(hf_tok, tmp_path):
         PromptLoader(ds, 11)
 
 
+def test_startup_line_reports_left_out_prompts_and_validation(hf_tok, tmp_path):
+    """What drop_last leaves out each epoch (never trained on without shuffle) and the validation set's own
+    truncation are on the run's start-up line."""
+    from types import SimpleNamespace
+
+    from hybridrl.trainer.main import data_summary
+
+    train = RLHFDataset([write_rows(rows(10), tmp_path / "t.parquet")], hf_tok, {"max_prompt_length": 32})
+    long = [row(["Copy: " + "7 " * 40])]
+    val = RLHFDataset(
+        [write_rows(long, tmp_path / "v.parquet")], hf_tok, {"max_prompt_length": 16, "truncation": "left"}
+    )
+    line = data_summary(SimpleNamespace(data=SimpleNamespace(train_batch_size=3, shuffle=False)), train, val)
+    assert "; 1 left out per epoch (the same last rows every epoch: never trained on; data.train_batch_size=3" in line
+    assert line.endswith("; validation: 1 prompts from 1 file(s): 1 read, 0 dropped as longer than "
+                         "max_prompt_length=16, 1 truncated (left)")  # fmt: skip
+    assert "left out" not in data_summary(SimpleNamespace(data=SimpleNamespace(train_batch_size=5, shuffle=True)),
+                                          train, None)  # fmt: skip
+
+
 def test_loader_resumes_mid_epoch_and_at_epoch_end(hf_tok, tmp_path):
     ds = RLHFDataset([write_rows(rows(8), tmp_path / "t.parquet")], hf_tok, {"max_prompt_length": 32})
     reference = PromptLoader(ds, 2, seed=7)

@@ -32,17 +32,22 @@ def _launch(out: Path, env_extra: dict[str, str], *overrides: str) -> subprocess
 
 def test_nan_steps_are_skipped_then_stop_with_checkpoint(tmp_path):
     out = tmp_path / "run"
-    result = _launch(out, {"HYBRIDRL_TEST_NAN_LOSS": "1"}, "trainer.total_steps=5", "trainer.max_bad_steps=2",
-                     "trainer.save_freq=-1")  # fmt: skip
+    result = _launch(out, {"HYBRIDRL_TEST_NAN_LOSS": "1"}, "trainer.total_steps=5", "trainer.max_bad_steps=3",
+                     "trainer.save_freq=2")  # fmt: skip
     log = result.stdout + result.stderr
     assert result.returncode != 0, log[-3000:]
-    assert "trainer.max_bad_steps (2) consecutive steps had NaN/Inf losses or grad norms; stopped at step 2" in log
-    assert "step 1 skipped its update (NaN/Inf loss or grad norm); 1/2 in a row" in log
-    assert (out / "global_step_2" / "meta.json").exists()  # the checkpoint written on the way out
+    assert "trainer.max_bad_steps (3) consecutive steps had NaN/Inf losses or grad norms; stopped at step 3" in log
+    assert "step 1 skipped its update (NaN/Inf loss or grad norm); 1/3 in a row" in log
+    assert (out / "global_step_3" / "meta.json").exists()  # the checkpoint written on the way out
+    # the regular save of step 2 holds step 2's count: a resume from it stops after 1 more bad step, not 2
+    import torch
+
+    saved = {n: torch.load(out / f"global_step_{n}" / "trainer.pt", weights_only=False)["bad_steps"] for n in (2, 3)}
+    assert saved == {2: 2, 3: 3}
     steps = [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1, 2]
+    assert [s["step"] for s in steps] == [1, 2, 3]
     assert all(s["actor/skipped"] == 1.0 for s in steps)
-    assert steps[0]["actor/param_norm"] == steps[1]["actor/param_norm"]  # no poisoned update was applied
+    assert steps[0]["actor/param_norm"] == steps[2]["actor/param_norm"]  # no poisoned update was applied
 
 
 def test_dead_rank_ends_the_launch(tmp_path):

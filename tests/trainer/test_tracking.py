@@ -50,3 +50,21 @@ def test_resume_drops_rows_after_the_checkpoint(tmp_path):
     resumed.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["x"]) for r in rows] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+
+
+def test_resume_survives_a_line_cut_by_the_crash(tmp_path, capsys):
+    """A crash mid-write (disk full, a killed rank 0) leaves a cut last line: the resume drops it, says so, and the
+    file stays one JSON object per line."""
+    first = Tracker(["jsonl"], str(tmp_path), total_steps=6)
+    for step in range(3):
+        first.log({"x": float(step)}, step=step)
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "x": 3.')  # no newline, no closing brace
+    resumed = Tracker(["jsonl"], str(tmp_path), total_steps=6)
+    resumed.resumed_at(2)
+    resumed.log({"x": 30.0}, step=3)
+    resumed.close()
+    assert "dropped 1 unreadable line(s)" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["x"]) for r in rows] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]

@@ -1,0 +1,80 @@
+"""CheckpointManager on one gloo rank with a stand-in trainer (no models): rotation, the newest-save marker,
+what a resume restores from the KL controller, and a checkpoint that lacks a role this run has.
+
+A run restarted below an earlier run's highest step (resume_mode=disable into the same folder) used to have its
+own new checkpoint deleted by keep-last-K, which ranked folders by step, and resume_mode=auto then went back to
+the earlier run. A resumed adaptive KL controller took the checkpoint's target and horizon over the new config's.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+def _trainer(step: int, kl_ctrl, critic=None):
+    loader = SimpleNamespace(state_dict=lambda: {"epoch": 0, "position": step}, load_state_dict=lambda s: None)
+    return SimpleNamespace(step=step, actor=None, critic=critic, loader=loader, kl_ctrl=kl_ctrl, bad_steps=0,
+                           tracker=SimpleNamespace())  # fmt: skip
+
+
+def _body(rank: int, world: int, root: str) -> dict:
+    from hybridrl.algos.kl import AdaptiveKLController, FixedKLController
+    from hybridrl.config.schema import TrainerConfig
+    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.trainer.checkpoint import LATEST, CheckpointManager, ResumeError
+
+    init_model_parallel(ParallelLayout.from_world(world), seed=0)
+    out = {}
+
+    def manager(mode: str, **kw) -> CheckpointManager:
+        return CheckpointManager(TrainerConfig(default_local_dir=root, resume_mode=mode, max_ckpt_to_keep=2, **kw))
+
+    first = manager("disable")
+    kl = AdaptiveKLController(init_kl_coef=0.1, target_kl=0.1, horizon=10000)
+    for step in range(1, 11):  # an earlier run: steps 1..10, keep 2
+        kl.value = 0.1 + step / 1000
+        first.save(_trainer(step, kl))
+    out["first"] = sorted(os.listdir(root))
+
+    second = manager("disable")  # a new run into the same folder, from step 0
+    for step in (1, 2, 3):
+        second.save(_trainer(step, FixedKLController(0.05)))
+    out["second"] = sorted(os.listdir(root))
+    with open(os.path.join(root, LATEST)) as f:
+        out["latest"] = f.read().strip()
+    out["auto"] = os.path.basename(manager("auto").resume_path())
+
+    # resume the earlier run's step 10 under a new adaptive config: coefficient restored, target/horizon new
+    resumed = _trainer(0, AdaptiveKLController(init_kl_coef=0.001, target_kl=6.0, horizon=500))
+    assert manager("path", resume_from_path=os.path.join(root, "global_step_10")).maybe_resume(resumed)
+    out["kl"] = (resumed.kl_ctrl.value, resumed.kl_ctrl.target, resumed.kl_ctrl.horizon)
+    fixed = _trainer(0, FixedKLController(0.2))  # a fixed coefficient is the config's, whatever was saved
+    manager("path", resume_from_path=os.path.join(root, "global_step_10")).maybe_resume(fixed)
+    out["fixed"] = fixed.kl_ctrl.value
+
+    with_critic = _trainer(0, FixedKLController(0.2), critic=SimpleNamespace(worker=None))
+    try:
+        manager("auto").maybe_resume(with_critic)
+    except ResumeError as err:
+        out["no_critic"] = str(err)
+    return out
+
+
+def test_rotation_latest_and_resume_state(tmp_path):
+    root = str(tmp_path / "run")
+    (out,) = run_ranks(_body, 1, root, timeout=240)
+    assert out["first"] == ["global_step_10", "global_step_9", "latest_checkpoint.txt"]
+    # the new run keeps its own newest 2 and leaves the earlier run's higher steps alone
+    assert out["second"] == ["global_step_10", "global_step_2", "global_step_3", "global_step_9",
+                             "latest_checkpoint.txt"]  # fmt: skip
+    assert out["latest"] == "global_step_3" and out["auto"] == "global_step_3"
+    assert out["kl"] == (pytest.approx(0.11), 6.0, 500)
+    assert out["fixed"] == 0.2
+    assert out["no_critic"].startswith(f"checkpoint {root}/global_step_3 has no critic (saved by a run without one)")
