@@ -259,6 +259,8 @@ CASES = [
           "<tmp>/train.jsonl: line 2 is not JSON", "fix or remove the line"),
     _case("data-missing-file", _data(name="nope.parquet"), FileNotFoundError,
           "data file '<tmp>/nope.parquet' does not exist; check data.train_files / val_files"),
+    _case("data-folder-as-file", _data(name=""), ValueError,
+          "data file '<tmp>' is a folder; list its .parquet / .jsonl files in data.train_files / val_files"),
     _case("data-no-files", _data(files=[]), ValueError, "RLHFDataset got no data_files; set data.train_files"),
     _case("data-unknown-config-key", _data([_row()], {"max_prompt_length": 32, "trunction": "left"}), ValueError,
           "data config key 'trunction' is unknown; known keys:", "'truncation'"),

@@ -24,7 +24,7 @@ class DataError(ValueError):
 
 def _read_table(path: Path, wanted: Sequence[str]) -> tuple[list[str], dict[str, list[Any]]]:
     """All column names of one file, and column name -> values for the ``wanted`` columns it has."""
-    if path.suffix == ".json" and _starts_with(path, "["):  # a JSON array of row objects (not JSON Lines)
+    if path.suffix.lower() == ".json" and _starts_with(path, "["):  # a JSON array of row objects (not JSON Lines)
         try:
             rows = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
@@ -34,7 +34,7 @@ def _read_table(path: Path, wanted: Sequence[str]) -> tuple[list[str], dict[str,
             raise ValueError(f"{path}: element {bad} of the JSON array is not an object; each element must be one row")
         names = list(dict.fromkeys(k for r in rows for k in r))
         return names, {c: [r.get(c) for r in rows] for c in wanted if c in names}
-    if path.suffix in JSONL_SUFFIXES:
+    if path.suffix.lower() in JSONL_SUFFIXES:
         rows = []
         with path.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
@@ -82,6 +82,9 @@ def read_rows(path: str | os.PathLike, required: Sequence[str], optional: Sequen
         ValueError: the file cannot be parsed, or a required column is missing (names it and the file).
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"data file {os.fspath(path)!r} is a folder; list its .parquet / .jsonl files in "
+                         "data.train_files / val_files")  # fmt: skip
     if not path.is_file():
         raise FileNotFoundError(f"data file {os.fspath(path)!r} does not exist; check data.train_files / val_files")
     names, table = _read_table(path, [*required, *optional])
@@ -96,7 +99,7 @@ def write_rows(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
     """Write rows (dicts with the same keys) to a ``.parquet`` or ``.jsonl`` file; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix in JSONL_SUFFIXES:
+    if path.suffix.lower() in JSONL_SUFFIXES:
         with path.open("w", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")

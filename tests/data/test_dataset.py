@@ -139,6 +139,13 @@ def test_several_files_jsonl_optional_extra_info_and_dataconfig(hf_tok, tmp_path
     assert "5 prompts from 2 file(s): 5 read, 0 dropped" in ds.summary()
 
 
+def test_upper_case_suffix_reads_as_jsonl(hf_tok, tmp_path):
+    upper = write_rows(rows(2), tmp_path / "A.JSONL")
+    assert upper.read_text().startswith("{")  # written as JSON lines, not parquet
+    ds = RLHFDataset([upper], hf_tok, {"max_prompt_length": 32})
+    assert [ds[i]["ground_truth"] for i in range(2)] == ["0", "1"]
+
+
 def test_json_array_file_reads_like_jsonl(hf_tok, tmp_path):
     """A .json file may hold JSON Lines or one JSON array of rows: both give the same dataset."""
     import json
