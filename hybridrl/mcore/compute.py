@@ -19,10 +19,17 @@ model, so Megatron's RoPE (which uses positions ``0..s-1`` and ignores ``positio
 ``position_ids = cumsum(mask) - 1`` (the batch's ``position_ids`` are therefore not read), and the attention
 mask is causal + key padding (see :func:`attention_mask`). The heads gather the output at the rolled
 response positions.
+
+After the roll every row is ``[tokens][padding]``, so the columns past the longest row are padding for all
+rows and :func:`trim_padding` drops them before the model (each micro-batch to its own longest row, or the
+whole batch to one width under pipeline parallelism, whose p2p buffers have one shape). Rollout batches are
+padded to ``max_prompt_length + response_length``; real prompts and responses are usually much shorter, and
+the saving grows with the square of the width in attention. Outputs at valid tokens are unchanged.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -103,7 +110,43 @@ def prepare_batch(batch: Batch) -> dict[str, torch.Tensor]:
     out["model_position_ids"] = (rolled_mask.cumsum(1) - 1).clamp(min=0)
     out["model_attention_mask"] = attention_mask(rolled_mask)
     out["response_positions"] = (prompt_len - 1 - left_pad).unsqueeze(1) + torch.arange(r, device=ids.device)
+    out["model_lengths"] = rolled_mask.sum(1)
     return out
+
+
+def trim_padding(batch: dict[str, torch.Tensor], multiple: int = 8) -> dict[str, torch.Tensor]:
+    """``batch`` (from :func:`prepare_batch`) with the model inputs cut to its longest row, rounded up to
+    ``multiple`` (at most the full width).
+
+    The dropped columns are padding in every row and come after every valid token, which attends only to
+    earlier positions: outputs at valid tokens do not change. Response positions past the cut (response
+    padding, whose outputs are meaningless anyway) are clamped to the last kept column.
+    """
+    s = batch["model_input_ids"].shape[1]
+    longest = int(batch["model_lengths"].max()) if batch["model_lengths"].numel() else s
+    width = min(s, -(-max(longest, 1) // multiple) * multiple)
+    if width == s:
+        return batch
+    out = dict(batch)
+    out["model_input_ids"] = batch["model_input_ids"][:, :width]
+    out["model_position_ids"] = batch["model_position_ids"][:, :width]
+    out["model_attention_mask"] = batch["model_attention_mask"][:, :, :width, :width]
+    out["response_positions"] = batch["response_positions"].clamp(max=width - 1)
+    return out
+
+
+def micro_batches_trimmed(chunks, batch: dict[str, torch.Tensor], micro_batch_size: int, trim: bool = True):
+    """:func:`split_micro_batches` of ``batch`` with :func:`trim_padding` applied: to each micro-batch without
+    pipeline parallelism, to the whole batch with it (every micro-batch one shape). The width is a multiple of
+    8 (and of TP under sequence parallelism, which splits the sequence over TP)."""
+    if not trim:
+        return split_micro_batches(batch, micro_batch_size)
+    multiple = 8
+    if get_model_config(chunks[0]).sequence_parallel:
+        multiple = math.lcm(multiple, mpu.get_tensor_model_parallel_world_size())
+    if mpu.get_pipeline_model_parallel_world_size() > 1 or len(chunks) > 1:
+        return split_micro_batches(trim_padding(batch, multiple), micro_batch_size)
+    return [trim_padding(mb, multiple) for mb in split_micro_batches(batch, micro_batch_size)]
 
 
 def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -238,6 +281,7 @@ def forward_backward(
     head: TokenHead | None = None,
     loss_agg_mode: str = "token-mean",
     response_mask_key: str = "response_mask",
+    trim: bool = True,
 ) -> StepOutput:
     """Forward (and backward) this rank's data-parallel batch through the pipeline schedule.
 
@@ -260,6 +304,7 @@ def forward_backward(
         head: :class:`LogProbHead` (default), :class:`ValuesHead` or any :class:`TokenHead`.
         loss_agg_mode: one of ``AGG_MODES``.
         response_mask_key: the batch key of the response mask.
+        trim: drop the batch's trailing padding columns before the model (:func:`trim_padding`).
 
     Returns:
         :class:`StepOutput` with the global loss and metrics on every rank.
@@ -272,7 +317,7 @@ def forward_backward(
     r = prepared["responses"].shape[1]
     if response_mask_key not in prepared:
         prepared[response_mask_key] = prepared["attention_mask"][:, -r:]
-    micro_batches = split_micro_batches(prepared, micro_batch_size)
+    micro_batches = micro_batches_trimmed(chunks, prepared, micro_batch_size, trim)
     last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
     dp_group = mpu.get_data_parallel_group()
     denominator = global_denominator(prepared[response_mask_key], loss_agg_mode, dp_group) if last_stage else None
@@ -324,6 +369,7 @@ def forward_outputs(
     micro_batch_size: int,
     head: TokenHead,
     gather_dp: bool = False,
+    trim: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Forward-only ``head`` outputs for the local batch, on every rank.
 
@@ -332,6 +378,7 @@ def forward_outputs(
         micro_batch_size: samples per micro-batch; need not divide ``b`` (the last one is padded).
         head: which per-token tensors to compute (its ``keys`` name them).
         gather_dp: concatenate the results of all DP ranks (in DP-rank order) instead of the local ones.
+        trim: drop the batch's trailing padding columns before the model (:func:`trim_padding`).
 
     Returns:
         ``{key: (b, r) fp32}`` (``(b * dp, r)`` with ``gather_dp``), identical on every TP/PP rank.
@@ -349,7 +396,8 @@ def forward_outputs(
     if len(chunks) > 1:
         pp = mpu.get_pipeline_model_parallel_world_size()
         count = -(-count // pp) * pp
-    micro_batches = split_micro_batches(_pad_rows(prepared, count * micro_batch_size - b), micro_batch_size)
+    micro_batches = micro_batches_trimmed(chunks, _pad_rows(prepared, count * micro_batch_size - b),
+                                          micro_batch_size, trim)  # fmt: skip
 
     def loss_func(output, micro_batch):
         outputs = head(output, micro_batch)

@@ -419,6 +419,24 @@ def test_prepare_batch_rolls_left_padding_and_positions():
     assert not bool(mask.all(dim=-1).any()), "a fully masked query row gives NaN in fused softmax"
 
 
+def test_trim_padding_keeps_every_valid_token_and_position():
+    from hybridrl.mcore import compute
+    from tests.mcore.test_logprobs_hf import padded_batch
+
+    batch = compute.prepare_batch(padded_batch(prompt=31, response=19))  # rows of 16, 7, 8 tokens in 50 columns
+    trimmed = compute.trim_padding(batch, multiple=8)
+    assert trimmed["model_input_ids"].shape == (3, 16) and trimmed["model_attention_mask"].shape == (3, 1, 16, 16)
+    assert torch.equal(trimmed["model_input_ids"], batch["model_input_ids"][:, :16])
+    assert torch.equal(trimmed["model_attention_mask"], batch["model_attention_mask"][:, :, :16, :16])
+    valid = batch["response_mask"].bool()  # the positions read for valid response tokens are all kept
+    assert torch.equal(trimmed["response_positions"][valid], batch["response_positions"][valid])
+    assert int(trimmed["response_positions"].max()) == 15
+    assert compute.trim_padding(batch, multiple=24)["model_input_ids"].shape[1] == 24  # rounded up
+    assert compute.trim_padding(batch, multiple=64) is batch  # the full width already: unchanged
+    rows = compute.split_micro_batches(batch, 1)
+    assert [compute.trim_padding(mb)["model_input_ids"].shape[1] for mb in rows] == [16, 8, 8]
+
+
 def test_attention_mask_blocks_padding_and_future():
     from hybridrl.mcore.compute import attention_mask
 

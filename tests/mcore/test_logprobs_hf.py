@@ -4,6 +4,10 @@ The batch is what rollout produces: prompts of different lengths LEFT-padded, re
 lengths RIGHT-padded. HF is the independent reference: its forward with the attention mask and
 ``position_ids = cumsum(mask) - 1``, then a full-vocab ``log_softmax``. Megatron runs the vocab-parallel
 path (never gathering the vocabulary) at TP2 and at PP2 on 2 gloo ranks.
+
+The batch is padded much wider than its rows (as rollout pads to max_prompt_length + response_length), so
+the model runs on trimmed inputs (``compute.trim_padding``): per micro-batch at TP2, one width for the
+batch at PP2; at TP2 the untrimmed run is checked too.
 """
 
 from __future__ import annotations
@@ -20,21 +24,22 @@ PROMPT, RESPONSE = 10, 6
 PROMPT_LENS, RESPONSE_LENS = (10, 4, 7), (6, 3, 1)
 
 
-def padded_batch(seed: int = 5) -> dict[str, torch.Tensor]:
+def padded_batch(seed: int = 5, prompt: int = PROMPT, response: int = RESPONSE) -> dict[str, torch.Tensor]:
+    """Rows of ``PROMPT_LENS`` / ``RESPONSE_LENS`` tokens, left-padded to ``prompt``, right-padded to ``response``."""
     g = torch.Generator().manual_seed(seed)
     b = len(PROMPT_LENS)
-    ids = torch.zeros(b, PROMPT + RESPONSE, dtype=torch.long)
+    ids = torch.zeros(b, prompt + response, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS, strict=True)):
-        ids[i, PROMPT - p : PROMPT + r] = torch.randint(1, hf_tiny.VOCAB, (p + r,), generator=g)
-        mask[i, PROMPT - p : PROMPT + r] = 1
+        ids[i, prompt - p : prompt + r] = torch.randint(1, hf_tiny.VOCAB, (p + r,), generator=g)
+        mask[i, prompt - p : prompt + r] = 1
     position_ids = (mask.cumsum(1) - 1).clamp(min=0)
     return {
         "input_ids": ids,
         "attention_mask": mask,
         "position_ids": position_ids,
-        "responses": ids[:, PROMPT:].clone(),
-        "response_mask": mask[:, PROMPT:].clone(),
+        "responses": ids[:, prompt:].clone(),
+        "response_mask": mask[:, prompt:].clone(),
     }
 
 
@@ -46,7 +51,8 @@ def hf_log_probs(path: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = model.eval()(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
         ).logits
-    logp = torch.log_softmax(logits[:, PROMPT - 1 : -1].double(), dim=-1)
+    prompt = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+    logp = torch.log_softmax(logits[:, prompt - 1 : -1].double(), dim=-1)
     return logp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1).float()
 
 
@@ -61,12 +67,16 @@ def _body(rank: int, world_size: int, paths: dict[str, str], batch: dict) -> dic
             actor = roles.build_actor(path)
             res = compute.compute_log_probs(actor.chunks, batch, 1, vocab_size=actor.shape.vocab_size)
             out[(arch, tp, pp)] = res["log_probs"]
+            if tp == 2:
+                head = compute.LogProbHead(vocab_size=actor.shape.vocab_size)
+                full = compute.forward_outputs(actor.chunks, batch, 1, head, trim=False)
+                out[(arch, "untrimmed")] = full["log_probs"]
     return out
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    batch = padded_batch()
+    batch = padded_batch(prompt=PROMPT + 21, response=RESPONSE + 13)  # rows of 16, 7, 8 tokens in 50 columns
     paths, refs = {}, {}
     for i, arch in enumerate(("llama", "qwen2")):
         paths[arch] = hf_tiny.make_checkpoint(arch, str(tmp_path_factory.mktemp(arch)), seed=10 + i)
@@ -75,12 +85,12 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), ("untrimmed", None)])
 def test_response_log_probs_match_hf(results, arch, tp, pp):
     batch, refs, per_rank = results
     valid = batch["response_mask"].bool()
     for rank, out in enumerate(per_rank):  # every rank holds the result
-        diff = (out[(arch, tp, pp)] - refs[arch])[valid].abs().max().item()
+        diff = (out[(arch, tp, pp) if pp else (arch, tp)] - refs[arch])[valid].abs().max().item()
         assert diff <= 1e-4, (rank, diff)
     # the reference is not trivially close: log-probs of a random model spread over several nats
     assert refs[arch][valid].std() > 0.3
