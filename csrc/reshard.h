@@ -3,7 +3,8 @@
 // The kernels work on a table of n_rows rows (src_address, dst_address, n_bytes), int64: row i copies n_bytes
 // from src_address to dst_address. The bindings (bindings.cpp) build it from an element plan and the buffers'
 // data pointers, so one table may write into many destination tensors (block_scatter: a vLLM model's parameters).
-// Destination ranges do not overlap, so rows may be copied in any order and in parallel. Callers check bounds.
+// Destination ranges do not overlap each other nor any source range (the source is another buffer), so rows may
+// be copied in any order and in parallel. Callers check bounds.
 #pragma once
 
 #include <cstdint>

@@ -142,9 +142,10 @@ def missing_data_files(cfg) -> list[str]:
     for key in ("train_files", "val_files"):
         for i, name in enumerate(getattr(cfg.data, key)):
             if not os.path.isfile(name):
+                what = "is a folder (list its files)" if os.path.isdir(name) else "does not exist on this machine"
                 out.append(
-                    f"# warning: data.{key}[{i}] {name!r} does not exist on this machine; a run stops at start "
-                    f"unless it exists where the run starts (a .parquet or .jsonl file, see README 'Your data')"
+                    f"# warning: data.{key}[{i}] {name!r} {what}; a run stops at start unless it is a file where "
+                    "the run starts (a .parquet or .jsonl file, see README 'Your data')"
                 )
     return out
 

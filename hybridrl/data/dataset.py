@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from hybridrl.config.schema import TRUNCATIONS, DataConfig
-from hybridrl.data.files import read_rows
+from hybridrl.data.files import DataError, read_rows
 from hybridrl.data.tokenizers import Message, Tokenizer, load_tokenizer
 from hybridrl.protocol import DataProto
 
@@ -91,22 +91,20 @@ def _messages(prompt: Any, where: str, key: str) -> list[Message]:
     """A row's prompt as chat messages; one-line errors for wrong types and empty prompts."""
     if isinstance(prompt, str):
         if not prompt.strip():
-            raise ValueError(f"{where}: column {key!r} is an empty string; fill the prompt or remove the row")
+            raise DataError(f"{where}: column {key!r} is an empty string; fill the prompt or remove the row")
         return [{"role": "user", "content": prompt}]
     if not isinstance(prompt, list | tuple | np.ndarray):
-        raise ValueError(
+        raise DataError(
             f"{where}: column {key!r} is a {type(prompt).__name__}; it must be a list of {{role, content}} "
             "messages or a string"
         )
     messages = []
     for j, m in enumerate(prompt):
         if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ValueError(
-                f"{where}: message {j} of column {key!r} is {m!r}; each message needs str role and content"
-            )
+            raise DataError(f"{where}: message {j} of column {key!r} is {m!r}; each message needs str role and content")
         messages.append({"role": m["role"], "content": m["content"]})
     if not any(m["content"].strip() for m in messages):
-        raise ValueError(f"{where}: column {key!r} has no message with content; fill the prompt or remove the row")
+        raise DataError(f"{where}: column {key!r} has no message with content; fill the prompt or remove the row")
     return messages
 
 
@@ -114,7 +112,7 @@ def _as_dict(value: Any, where: str, column: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise ValueError(f"{where}: column {column!r} is a {type(value).__name__}; it must be a struct/dict or null")
+        raise DataError(f"{where}: column {column!r} is a {type(value).__name__}; it must be a struct/dict or null")
     return dict(value)
 
 
@@ -132,8 +130,9 @@ class RLHFDataset:
     Attributes:
         stats: ``files``, ``rows_read``, ``rows_filtered_overlong``, ``rows_truncated``, ``rows``.
         data_sources: the distinct ``data_source`` values (check them against the reward registry early).
-        without_ground_truth: ``"<file>: row <r> (reward_model keys [...])"`` of each row whose
-            ``reward_model.ground_truth`` is missing or null (an error where a built-in scorer scores them).
+        without_ground_truth: data_source -> (rows, the first one as ``"<file>: row <r> (reward_model keys
+            [...])"``) of the rows whose ``reward_model.ground_truth`` is missing or null (an error where a
+            built-in scorer scores them; data scored by a reward model alone needs none).
 
     Raises:
         FileNotFoundError / ValueError: a missing or unreadable file, a missing column, a bad or empty
@@ -144,20 +143,20 @@ class RLHFDataset:
         if isinstance(data_files, str | os.PathLike):
             data_files = [data_files]
         if not data_files:
-            raise ValueError("RLHFDataset got no data_files; set data.train_files to one or more parquet files")
+            raise DataError("RLHFDataset got no data_files; set data.train_files to one or more parquet files")
         self.data_files = [os.fspath(f) for f in data_files]
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
         self.options = _options(config)
         self.max_prompt_length = self.options.max_prompt_length
         self.max_response_length = self.options.max_response_length
         self._rows: list[dict[str, Any]] = []
-        self.without_ground_truth: list[str] = []
+        self.without_ground_truth: dict[str, tuple[int, str]] = {}
         self.stats = {"files": len(self.data_files), "rows_read": 0, "rows_filtered_overlong": 0, "rows_truncated": 0}
         for file_idx, path in enumerate(self.data_files):
             self._load_file(file_idx, path)
         self.stats["rows"] = len(self._rows)
         if not self._rows:
-            raise ValueError(f"RLHFDataset has no prompts left ({self.stats}); check data files and max_prompt_length")
+            raise DataError(f"RLHFDataset has no prompts left ({self.stats}); check data files and max_prompt_length")
         self.data_sources = sorted({r["data_source"] for r in self._rows})
         log = logger.warning if self.stats["rows_filtered_overlong"] else logger.info
         log("RLHFDataset: %s", self.summary())
@@ -181,7 +180,7 @@ class RLHFDataset:
             messages = _messages(prompt, where, key)
             source = cols["data_source"][row]
             if not isinstance(source, str) or not source:
-                raise ValueError(f"{where}: column 'data_source' is {source!r}; it must be a non-empty string")
+                raise DataError(f"{where}: column 'data_source' is {source!r}; it must be a non-empty string")
             ids = self.tokenizer.apply_chat_template(messages)
             if len(ids) > limit:
                 if self.options.filter_overlong_prompts:
@@ -197,7 +196,7 @@ class RLHFDataset:
                     "ids": ids,
                     "raw_prompt": prompt if isinstance(prompt, str) else messages,
                     "data_source": source,
-                    "ground_truth": self._ground_truth(cols["reward_model"][row], where),
+                    "ground_truth": self._ground_truth(cols["reward_model"][row], where, source),
                     "extra_info": _as_dict(cols["extra_info"][row], where, "extra_info"),
                     "uid": f"{file_idx}/{row}",
                 }
@@ -205,15 +204,17 @@ class RLHFDataset:
         if overlong:
             (row, n), more = overlong[0], len(overlong) - 1
             also = f" (and {more} more rows)" if more else ""
-            raise ValueError(
+            raise DataError(
                 f"{path}: row {row}{also}: prompt has {n} tokens > data.max_prompt_length ({limit}); raise it, "
                 "set data.truncation to left/right, or set data.filter_overlong_prompts=true"
             )
 
-    def _ground_truth(self, value: Any, where: str) -> Any:
+    def _ground_truth(self, value: Any, where: str, source: str) -> Any:
         reward_model = _as_dict(value, where, "reward_model")
         if reward_model.get("ground_truth") is None:
-            self.without_ground_truth.append(f"{where} (reward_model keys {sorted(reward_model)})")
+            first = f"{where} (reward_model keys {sorted(reward_model)})"
+            count, first = self.without_ground_truth.get(source, (0, first))
+            self.without_ground_truth[source] = (count + 1, first)
         return reward_model.get("ground_truth")
 
     def __len__(self) -> int:

@@ -24,14 +24,21 @@ class DataError(ValueError):
 
 def _read_table(path: Path, wanted: Sequence[str]) -> tuple[list[str], dict[str, list[Any]]]:
     """All column names of one file, and column name -> values for the ``wanted`` columns it has."""
+    try:
+        return _read_table_unchecked(path, wanted)
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); save the file as UTF-8") from None
+
+
+def _read_table_unchecked(path: Path, wanted: Sequence[str]) -> tuple[list[str], dict[str, list[Any]]]:
     if path.suffix.lower() == ".json" and _starts_with(path, "["):  # a JSON array of row objects (not JSON Lines)
         try:
             rows = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not a JSON array ({err.msg} at line {err.lineno}); fix the file") from None
+            raise DataError(f"{path}: not a JSON array ({err.msg} at line {err.lineno}); fix the file") from None
         bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
         if bad is not None:
-            raise ValueError(f"{path}: element {bad} of the JSON array is not an object; each element must be one row")
+            raise DataError(f"{path}: element {bad} of the JSON array is not an object; each element must be one row")
         names = list(dict.fromkeys(k for r in rows for k in r))
         return names, {c: [r.get(c) for r in rows] for c in wanted if c in names}
     if path.suffix.lower() in JSONL_SUFFIXES:
@@ -43,9 +50,9 @@ def _read_table(path: Path, wanted: Sequence[str]) -> tuple[list[str], dict[str,
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}: line {lineno} is not JSON ({err.msg}); fix or remove the line") from None
+                    raise DataError(f"{path}: line {lineno} is not JSON ({err.msg}); fix or remove the line") from None
                 if not isinstance(rows[-1], dict):
-                    raise ValueError(f"{path}: line {lineno} is not a JSON object; each line must be one row")
+                    raise DataError(f"{path}: line {lineno} is not a JSON object; each line must be one row")
         names = list(dict.fromkeys(k for r in rows for k in r))
         return names, {c: [r.get(c) for r in rows] for c in wanted if c in names}
     import pyarrow as pa
@@ -56,7 +63,7 @@ def _read_table(path: Path, wanted: Sequence[str]) -> tuple[list[str], dict[str,
         table = pq.read_table(path, columns=[c for c in wanted if c in names])
     except (pa.ArrowException, OSError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"cannot read {path} as parquet ({first}); check the file (or use .jsonl)") from None
+        raise DataError(f"cannot read {path} as parquet ({first}); check the file (or use .jsonl)") from None
     return names, {name: table.column(name).to_pylist() for name in table.column_names}
 
 
@@ -83,14 +90,14 @@ def read_rows(path: str | os.PathLike, required: Sequence[str], optional: Sequen
     """
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"data file {os.fspath(path)!r} is a folder; list its .parquet / .jsonl files in "
+        raise DataError(f"data file {os.fspath(path)!r} is a folder; list its .parquet / .jsonl files in "
                          "data.train_files / val_files")  # fmt: skip
     if not path.is_file():
-        raise FileNotFoundError(f"data file {os.fspath(path)!r} does not exist; check data.train_files / val_files")
+        raise DataError(f"data file {os.fspath(path)!r} does not exist; check data.train_files / val_files")
     names, table = _read_table(path, [*required, *optional])
     for col in required:
         if col not in table:
-            raise ValueError(f"{path}: missing column {col!r} (has {sorted(names)}); add the column to the file")
+            raise DataError(f"{path}: missing column {col!r} (has {sorted(names)}); add the column to the file")
     n = len(next(iter(table.values()))) if table else 0
     return {c: table[c] if c in table else [None] * n for c in (*required, *optional)}
 

@@ -130,7 +130,7 @@ def trim_padding(batch: dict[str, torch.Tensor], multiple: int = 8) -> dict[str,
     out = dict(batch)
     out["model_input_ids"] = batch["model_input_ids"][:, :width]
     out["model_position_ids"] = batch["model_position_ids"][:, :width]
-    out["model_attention_mask"] = batch["model_attention_mask"][:, :, :width, :width]
+    out["model_attention_mask"] = batch["model_attention_mask"][:, :, :width, :width].contiguous()  # kernels
     out["response_positions"] = batch["response_positions"].clamp(max=width - 1)
     return out
 

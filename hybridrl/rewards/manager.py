@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -32,7 +32,14 @@ from typing import Any
 import torch
 
 from hybridrl.protocol import DataProto
-from hybridrl.rewards.registry import ScoreFn, default_compute_score, fixed_scorer, get_scorer, load_custom_scorer
+from hybridrl.rewards.registry import (
+    ScoreFn,
+    compares_ground_truth,
+    default_compute_score,
+    fixed_scorer,
+    get_scorer,
+    load_custom_scorer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +151,8 @@ class RewardManager:
         self.score_fn = score_fn or default_compute_score
         self.timeout_s, self.max_workers = timeout_s, max_workers
         self.totals = {"samples": 0, "errors": 0, "timeouts": 0}
-        self.needs_ground_truth = score_fn is None
-        """The scorer compares each response with ``reward_model.ground_truth`` (the built-in ones do)."""
+        self.fixed_scorer_name: str | None = None
+        """The registered scorer that scores every row (``reward.scorer`` set to a name), else None."""
 
     @classmethod
     def from_config(cls, cfg: Any, max_workers: int = 8) -> RewardManager | None:
@@ -166,32 +173,43 @@ class RewardManager:
         else:
             fn = fixed_scorer(cfg.scorer)
         manager = cls(fn, timeout_s=cfg.timeout_s, max_workers=max_workers)
-        manager.needs_ground_truth = not (cfg.scorer == "auto" and cfg.custom.path)  # built-in scorers compare
+        if cfg.scorer != "auto":  # one scorer for every row
+            manager.fixed_scorer_name = cfg.scorer
         return manager
 
-    def check_data_sources(self, data_sources: Iterable[str], without_ground_truth: Sequence[str] = ()) -> None:
+    def check_data_sources(
+        self, data_sources: Iterable[str], without_ground_truth: Mapping[str, tuple[int, str]] | None = None
+    ) -> None:
         """Before training: every data_source has a registered scorer (only for the registry dispatch), and a
-        built-in scorer gets a ground truth in every row.
+        built-in scorer gets a ground truth in every row it scores.
 
         Args:
             data_sources: the data's ``data_source`` values.
-            without_ground_truth: ``"<file>: row <r> (reward_model keys [...])"`` of the rows whose
-                ``reward_model.ground_truth`` is missing or null (:attr:`RLHFDataset.without_ground_truth`).
+            without_ground_truth: data_source -> (rows, first row's ``"<file>: row <r> (reward_model keys
+                [...])"``) of the rows whose ``reward_model.ground_truth`` is missing or null
+                (:attr:`RLHFDataset.without_ground_truth`).
 
         Raises:
-            ValueError: the first data_source without a scorer (the message lists the known ones), or the first
-                row without a ground truth: a built-in scorer would give it 0 whatever the response.
+            DataError: the first data_source without a scorer (the message lists the known ones), or a row
+                without a ground truth that a built-in scorer would score 0 whatever the response.
         """
+        from hybridrl.data.files import DataError
+
         if self.score_fn is default_compute_score:
             for source in data_sources:
-                get_scorer(source)
-        if self.needs_ground_truth and without_ground_truth:
-            more = len(without_ground_truth) - 1
-            raise ValueError(
-                f"{without_ground_truth[0]}{f' and {more} more rows' if more else ''}: reward_model.ground_truth is "
-                "missing or null, so the built-in scorer would give 0 to every response; add it to each row, or "
-                "score with reward.custom.path (or a reward model with reward.scorer=null)"
-            )
+                try:
+                    get_scorer(source)
+                except ValueError as err:
+                    raise DataError(str(err)) from None
+        for source, (count, first) in (without_ground_truth or {}).items():
+            name = self.fixed_scorer_name or (source if self.score_fn is default_compute_score else None)
+            if name is not None and compares_ground_truth(name):
+                more = f" and {count - 1} more rows" if count > 1 else ""
+                raise DataError(
+                    f"{first}{more}: reward_model.ground_truth is missing or null, so the built-in scorer {name!r} "
+                    "would give 0 to every response; add it to each row, or score with reward.custom.path (or a "
+                    "reward model with reward.scorer=null)"
+                )
 
     def __call__(
         self,

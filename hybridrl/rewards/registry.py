@@ -47,6 +47,13 @@ register_scorer(
     "HuggingFaceH4/MATH-500",
 )
 register_scorer(demo.compute_score, "demo_copy", demo.DATA_SOURCE)
+_COMPARE_GROUND_TRUTH = frozenset({gsm8k.compute_score, math_boxed.compute_score, demo.compute_score})
+
+
+def compares_ground_truth(name: str) -> bool:
+    """The scorer registered as ``name`` is a built-in one, which compares the response with the row's
+    ``reward_model.ground_truth`` (functions of ``register_scorer`` may not need one)."""
+    return _SCORERS.get(name) in _COMPARE_GROUND_TRUTH
 
 
 def known_sources() -> list[str]:

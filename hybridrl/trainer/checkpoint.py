@@ -72,15 +72,18 @@ def complete_checkpoints(root: str) -> list[tuple[int, str]]:
 def newest_checkpoint(root: str) -> str | None:
     """The folder of the newest save under ``root``: the one ``latest_checkpoint.txt`` names when it is complete
     (a run restarted from an older step saves below an earlier run's highest step), else the highest step."""
+    found = complete_checkpoints(root)
     try:
         with open(os.path.join(root, LATEST), encoding="utf-8") as f:
             name = f.read().strip()
+        written = os.path.getmtime(os.path.join(root, LATEST))
     except OSError:
-        name = ""
-    if _STEP_DIR.match(name) and os.path.isfile(os.path.join(root, name, "meta.json")):
-        return os.path.join(root, name)
-    found = complete_checkpoints(root)
-    return found[-1][1] if found else None
+        name, written = "", 0.0
+    if not (_STEP_DIR.match(name) and os.path.isfile(os.path.join(root, name, "meta.json"))):
+        return found[-1][1] if found else None
+    # a save completed after the marker was written (a crash between the rename and the marker) is newer still
+    later = [f for _, f in found if os.path.getmtime(os.path.join(f, "meta.json")) > written]
+    return later[-1] if later else os.path.join(root, name)
 
 
 def _write_latest(root: str, folder: str) -> None:

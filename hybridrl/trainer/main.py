@@ -142,8 +142,12 @@ def check_reward_sources(reward: Any, train_ds: Any, val_ds: Any | None) -> None
     otherwise score 0 on every sample, silently, each validation)."""
     if reward is not None:
         datasets = [train_ds] if val_ds is None else [train_ds, val_ds]
-        reward.check_data_sources([s for d in datasets for s in d.data_sources],
-                                  [row for d in datasets for row in d.without_ground_truth])  # fmt: skip
+        missing: dict[str, tuple[int, str]] = {}
+        for d in datasets:
+            for source, (count, first) in d.without_ground_truth.items():
+                seen, first = missing.get(source, (0, first))
+                missing[source] = (seen + count, first)
+        reward.check_data_sources([s for d in datasets for s in d.data_sources], missing)
 
 
 def data_summary(cfg: RunConfig, train_ds: Any, val_ds: Any | None) -> str:
@@ -183,18 +187,14 @@ def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
     init_model_parallel(layout, seed=cfg.trainer.seed)
 
     from hybridrl.data import RLHFDataset
-    from hybridrl.data.files import DataError
     from hybridrl.rewards import RewardManager
     from hybridrl.trainer.rl_trainer import RLTrainer
 
     model_path, tokenizer, train_files, val_files = _data(cfg)
-    try:  # the data checks raise one line naming file, row and fix: the CLI prints just that
-        train_ds = RLHFDataset(train_files, tokenizer, cfg.data)
-        val_ds = RLHFDataset(val_files, tokenizer, cfg.data) if val_files else None
-        reward = RewardManager.from_config(cfg.reward)  # None: only the reward model scores
-        check_reward_sources(reward, train_ds, val_ds)
-    except (ValueError, FileNotFoundError) as err:
-        raise DataError(str(err)) from err
+    train_ds = RLHFDataset(train_files, tokenizer, cfg.data)  # bad data: DataError, one line (file, row, fix)
+    val_ds = RLHFDataset(val_files, tokenizer, cfg.data) if val_files else None
+    reward = RewardManager.from_config(cfg.reward)  # None: only the reward model scores
+    check_reward_sources(reward, train_ds, val_ds)
     if penv.rank == 0:
         print(f"[hybridrl] {layout.describe()}; {data_summary(cfg, train_ds, val_ds)}", flush=True)
     resolve_total_steps(cfg, len(train_ds))

@@ -399,12 +399,13 @@ class RewardModelWorker:
         mbs = self.cfg.reward.model.micro_batch_size_per_gpu
         # compute_values reads response token t's value where t is predicted (p + t - 1); the reward model's
         # score belongs to the last token itself, so the batch gets one more (padding) response column and
-        # the score is read at index last + 1: the output at the last valid token. A mask may have gaps (tokens
-        # the policy did not write, e.g. a tool's output), so "last" is the last 1, not the number of 1s; a row
-        # without response tokens reads index 0 (the prompt's last token).
+        # the score is read at index last + 1: the output at the response's last real token, as HF's sequence
+        # classifier scores. "Last" follows the attention mask, not response_mask: tokens the policy did not write
+        # (a tool's output) have response_mask 0 but are part of what the reward model judges, at the end too.
+        # A row without response tokens reads index 0 (the prompt's last token).
         b = data.batch
         pad = torch.zeros(len(data), 1, dtype=b["input_ids"].dtype, device=b["input_ids"].device)
-        mask = b["response_mask"].bool()
+        mask = b["attention_mask"][:, -b["responses"].shape[1] :].bool()
         last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)
         lengths = torch.where(mask.any(-1), last + 1, 0).long()
         batch = {

@@ -120,7 +120,7 @@ def test_bad_input_errors_name_file_row_and_fix(hf_tok, tmp_path):
     garbage.write_bytes(b"not a parquet file at all")
     with pytest.raises(ValueError, match=rf"cannot read {garbage} as parquet \(.*\); check the file"):
         RLHFDataset([renamed, garbage], hf_tok, cfg)
-    with pytest.raises(FileNotFoundError, match=r"data file '.*nope\.parquet' does not exist; check data\.train_files"):
+    with pytest.raises(ValueError, match=r"data file '.*nope\.parquet' does not exist; check data\.train_files"):
         RLHFDataset([tmp_path / "nope.parquet"], hf_tok, cfg)
     with pytest.raises(ValueError, match=r"data config key 'max_prompt_len' is unknown; known keys: \["):
         RLHFDataset([renamed], hf_tok, {"max_prompt_len": 32})

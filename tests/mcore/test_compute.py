@@ -435,6 +435,10 @@ def test_trim_padding_keeps_every_valid_token_and_position():
     assert compute.trim_padding(batch, multiple=64) is batch  # the full width already: unchanged
     rows = compute.split_micro_batches(batch, 1)
     assert [compute.trim_padding(mb)["model_input_ids"].shape[1] for mb in rows] == [16, 8, 8]
+    exact = [compute.trim_padding(mb, multiple=1) for mb in rows]  # no rounding: each row's last token is the edge
+    assert [mb["model_input_ids"].shape[1] for mb in exact] == [16, 7, 8]
+    for mb, full in zip(exact, rows, strict=True):
+        assert torch.equal(mb["model_input_ids"], full["model_input_ids"][:, : int(full["model_lengths"])])
 
 
 def test_attention_mask_blocks_padding_and_future():

@@ -178,6 +178,15 @@ def test_manager_from_config(tmp_path):
     assert custom(_batch(["x"], source="mystery"), ["y"]).scores.tolist() == [0.5]
     with pytest.raises(ValueError, match=r"reward.scorer \('math'\) and reward.custom.path .* are both set"):
         RewardManager.from_config(RewardConfig(scorer="math", custom=CustomRewardConfig(path=str(file))))
+    # rows without reward_model.ground_truth: refused where a built-in scorer would score them, else fine
+    missing = {"gsm8k": (2, "f.parquet: row 4 (reward_model keys ['answer'])"), "mystery": (1, "f.parquet: row 9")}
+    with pytest.raises(ValueError, match=r"^f.parquet: row 4 .* and 1 more rows: .* built-in scorer 'gsm8k' would"):
+        auto.check_data_sources(["gsm8k"], {"gsm8k": missing["gsm8k"]})
+    with pytest.raises(ValueError, match=r"^f.parquet: row 9: .* built-in scorer 'gsm8k' would"):
+        gsm.check_data_sources(["mystery"], {"mystery": missing["mystery"]})  # the fixed scorer scores it
+    custom.check_data_sources(["gsm8k", "mystery"], missing)  # a custom function may not need one
+    register_scorer(lambda solution_str, ground_truth: 1.0, "test/no_ground_truth_needed")
+    auto.check_data_sources(["test/no_ground_truth_needed"], {"test/no_ground_truth_needed": (3, "f.parquet: row 0")})
 
 
 def test_demo_end_to_end_dataset_loader_and_scores(tmp_path):

@@ -78,3 +78,15 @@ def test_rotation_latest_and_resume_state(tmp_path):
     assert out["kl"] == (pytest.approx(0.11), 6.0, 500)
     assert out["fixed"] == 0.2
     assert out["no_critic"].startswith(f"checkpoint {root}/global_step_3 has no critic (saved by a run without one)")
+
+    # a crash between a save's rename and its marker: the complete folder newer than the marker wins
+    import shutil
+
+    from hybridrl.config.schema import TrainerConfig
+    from hybridrl.trainer.checkpoint import LATEST, CheckpointManager
+
+    shutil.copytree(f"{root}/global_step_3", f"{root}/global_step_4")
+    marker = os.path.getmtime(f"{root}/{LATEST}")
+    os.utime(f"{root}/global_step_4/meta.json", (marker + 5, marker + 5))
+    auto = CheckpointManager(TrainerConfig(default_local_dir=root, resume_mode="auto"))
+    assert auto.resume_path() == f"{root}/global_step_4"

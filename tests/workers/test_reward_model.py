@@ -1,8 +1,8 @@
 """RewardModelWorker on 2 gloo ranks (TP 2) vs HF transformers' sequence classifier on the same checkpoint.
 
 The score of each response is the classifier's scalar at the response's last valid token; the batch has
-left-padded prompts and right-padded responses of different lengths, and one response mask with a gap (a token
-the policy did not write, e.g. a tool's output), so a wrong "last token" shows.
+left-padded prompts and right-padded responses of different lengths, and response masks with tokens the policy
+did not write (a tool's output) inside and at the end of a response, so a wrong "last token" shows.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def test_rm_scores_equal_hf(tmp_path):
     path = hf_tiny.make_checkpoint("llama", str(tmp_path / "rm"), seed=4, score=True)
     batch = padded_batch()
     batch["response_mask"][0, 2] = 0  # a gap inside row 0's 6 tokens: its last valid token stays the 6th
+    batch["response_mask"][1, 2] = 0  # row 1's last token is a tool's (attended, not the policy's): still scored
     model = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],

@@ -53,6 +53,7 @@ inline int64_t hybridrl_misaligned_chunks;
 #define HYBRIDRL_CUDA_ROW_HOOK(src_vec, dst_vec, width, n_vec)                                                     \
   do {                                                                                                             \
     if (threadIdx.x == 0) ++hybridrl_chunks_by_width[width];                                                        \
-    if ((n_vec) > 0 && (reinterpret_cast<uintptr_t>(src_vec) % (width) || reinterpret_cast<uintptr_t>(dst_vec) % (width))) \
+    if (threadIdx.x == 0 && (n_vec) > 0 &&                                                                        \
+        (reinterpret_cast<uintptr_t>(src_vec) % (width) || reinterpret_cast<uintptr_t>(dst_vec) % (width)))        \
       ++hybridrl_misaligned_chunks;                                                                                 \
   } while (0)
