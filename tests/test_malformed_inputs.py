@@ -258,6 +258,8 @@ CASES = [
           "cannot read <tmp>/train.parquet as parquet", "check the file (or use .jsonl)"),
     _case("data-jsonl-bad-line", _data(raw=b'{"prompt": "hi"}\n{not json\n', name="train.jsonl"), DataError,
           "<tmp>/train.jsonl: line 2 is not JSON", "fix or remove the line"),
+    _case("data-not-utf8", _data(raw=b'{"prompt": "caf\xe9"}\n', name="train.jsonl"), DataError,
+          "<tmp>/train.jsonl: not UTF-8 text (invalid continuation byte); save the file as UTF-8"),
     _case("data-missing-file", _data(name="nope.parquet"), DataError,
           "data file '<tmp>/nope.parquet' does not exist; check data.train_files / val_files"),
     _case("data-folder-as-file", _data(name=""), DataError,

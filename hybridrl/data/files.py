@@ -27,7 +27,7 @@ def _read_table(path: Path, wanted: Sequence[str]) -> tuple[list[str], dict[str,
     try:
         return _read_table_unchecked(path, wanted)
     except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); save the file as UTF-8") from None
+        raise DataError(f"{path}: not UTF-8 text ({err.reason}); save the file as UTF-8") from None
 
 
 def _read_table_unchecked(path: Path, wanted: Sequence[str]) -> tuple[list[str], dict[str, list[Any]]]:
