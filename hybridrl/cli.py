@@ -144,7 +144,7 @@ def missing_data_files(cfg) -> list[str]:
             if not os.path.isfile(name):
                 what = "is a folder (list its files)" if os.path.isdir(name) else "does not exist on this machine"
                 out.append(
-                    f"# warning: data.{key}[{i}] {name!r} {what}; a run stops at start unless it is a file where "
+                    f"# note: data.{key}[{i}] {name!r} {what}; a run stops at start unless it is a file where "
                     "the run starts (a .parquet or .jsonl file, see README 'Your data')"
                 )
     return out
