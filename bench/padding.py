@@ -2,9 +2,10 @@
 
 Rollout pads every row to ``max_prompt_length + response_length``; real prompts and responses are shorter.
 A GSM8K-like batch: prompts of 40-120 tokens left-padded to 256, responses of 60-300 tokens right-padded to
-512 with one row in eight cut at 512. The same model and batch run untrimmed (the baseline) and trimmed, in the
-same process: the actor's log-probs (forward only) and one PPO-style forward+backward; the log-probs of the
-two runs at valid tokens are compared.
+512 with one row in eight cut at 512. The same model and batch run untrimmed (the baseline) and trimmed (rows
+grouped by length into micro-batches, each cut to its longest row: ``trim=True``, the default), in the same
+process: the actor's log-probs (forward only) and one PPO-style forward+backward; the log-probs of the two runs
+at valid tokens are compared.
 
     python bench/padding.py [--hidden 256] [--layers 4] [--batch 16] [--micro 4] [--repeat 3]
 """
