@@ -16,7 +16,6 @@ launch scripts read trainer.n_gpus_per_node so). ``export`` writes a checkpoint'
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import hybridrl
@@ -133,20 +132,20 @@ def cmd_validate_config(argv: list[str]) -> int:
 
 
 def missing_data_files(cfg) -> list[str]:
-    """One warning line per local data file the run would not find here (a run stops on the first at start).
+    """One note per data file the run's start-up check (``check_data_file``) would refuse on this machine.
 
-    Only a warning: validate-config may run on a login node whose file system differs from the compute nodes'."""
+    A note, not an error: validate-config may run on a login node whose file system differs from the compute
+    nodes'."""
+    from hybridrl.data.files import DataError, check_data_file
+
     if cfg.data.demo_task:
         return []
     out = []
-    for key in ("train_files", "val_files"):
-        for i, name in enumerate(getattr(cfg.data, key)):
-            if not os.path.isfile(name):
-                what = "is a folder (list its files)" if os.path.isdir(name) else "does not exist on this machine"
-                out.append(
-                    f"# note: data.{key}[{i}] {name!r} {what}; a run stops at start unless it is a file where "
-                    "the run starts (a .parquet or .jsonl file, see README 'Your data')"
-                )
+    for name in [*cfg.data.train_files, *cfg.data.val_files]:
+        try:
+            check_data_file(name)
+        except DataError as err:
+            out.append(f"# note: on this machine, {err} (see README 'Your data')")
     return out
 
 

@@ -38,10 +38,12 @@ def test_validate_config_warns_of_missing_data_files(capsys, tmp_path):
     files = [f"data.train_files=[{present}]", f"data.val_files=[{present},{missing}]"]
     assert main([*args, *files]) == 0  # a warning: the run's machine may see other files
     out = capsys.readouterr().out
-    assert f"# note: data.val_files[1] '{missing}' does not exist on this machine" in out
-    assert out.count("# note: data.") == 1
+    assert f"# note: on this machine, data file '{missing}' does not exist; check data.train_files" in out
+    assert out.count("# note: on this machine") == 1
+    assert main([*args, f"data.train_files=[{tmp_path}]"]) == 0  # a folder: named as one, as the run would
+    assert f"# note: on this machine, data file '{tmp_path}' is a folder; list its" in capsys.readouterr().out
     assert main(["validate-config", "tiny_cpu.yaml", "--quiet"]) == 0  # the demo task makes its own data
-    assert "# note: data." not in capsys.readouterr().out
+    assert "# note: on this machine" not in capsys.readouterr().out
 
 
 def test_validate_config_error_is_one_line(capsys):

@@ -85,21 +85,27 @@ def read_rows(path: str | os.PathLike, required: Sequence[str], optional: Sequen
         Column name -> list of row values, for exactly ``required + optional``.
 
     Raises:
-        FileNotFoundError: the file does not exist.
-        ValueError: the file cannot be parsed, or a required column is missing (names it and the file).
+        DataError: the file is missing or a folder, cannot be parsed, or lacks a required column (one line
+            naming the file and the fix).
     """
     path = Path(path)
-    if path.is_dir():
-        raise DataError(f"data file {os.fspath(path)!r} is a folder; list its .parquet / .jsonl files in "
-                         "data.train_files / val_files")  # fmt: skip
-    if not path.is_file():
-        raise DataError(f"data file {os.fspath(path)!r} does not exist; check data.train_files / val_files")
+    check_data_file(path)
     names, table = _read_table(path, [*required, *optional])
     for col in required:
         if col not in table:
             raise DataError(f"{path}: missing column {col!r} (has {sorted(names)}); add the column to the file")
     n = len(next(iter(table.values()))) if table else 0
     return {c: table[c] if c in table else [None] * n for c in (*required, *optional)}
+
+
+def check_data_file(path: str | os.PathLike) -> None:
+    """Raise :class:`DataError` unless ``path`` is a file (a folder or a missing path, named in one line)."""
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"data file {os.fspath(path)!r} is a folder; list its .parquet / .jsonl files in "
+                        "data.train_files / val_files")  # fmt: skip
+    if not path.is_file():
+        raise DataError(f"data file {os.fspath(path)!r} does not exist; check data.train_files / val_files")
 
 
 def write_rows(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:

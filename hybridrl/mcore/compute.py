@@ -23,7 +23,7 @@ response positions.
 After the roll every row is ``[tokens][padding]``, so the columns past the longest row are padding for all
 rows and :func:`trim_padding` drops them before the model (each micro-batch to its own longest row, or the
 whole batch to one width under pipeline parallelism, whose p2p buffers have one shape). Without pipeline
-parallelism the rows are first grouped by length (:func:`length_order`; results come back in the caller's
+parallelism the rows are first grouped by length (:func:`group_by_length`; results come back in the caller's
 order), so that short rows share micro-batches with short rows. Rollout batches are
 padded to ``max_prompt_length + response_length``; real prompts and responses are usually much shorter, and
 the saving grows with the square of the width in attention. Outputs at valid tokens are unchanged.
@@ -146,30 +146,33 @@ def micro_batches_trimmed(chunks, batch: dict[str, torch.Tensor], micro_batch_si
     multiple = 8
     if get_model_config(chunks[0]).sequence_parallel:
         multiple = math.lcm(multiple, mpu.get_tensor_model_parallel_world_size())
-    if mpu.get_pipeline_model_parallel_world_size() > 1 or len(chunks) > 1:
+    if _one_width(chunks):
         return split_micro_batches(trim_padding(batch, multiple), micro_batch_size)
     return [trim_padding(mb, multiple) for mb in split_micro_batches(batch, micro_batch_size)]
 
 
-def length_order(chunks, batch: dict[str, torch.Tensor], trim: bool = True) -> torch.Tensor | None:
-    """The row order that groups rows of similar length into the same micro-batches (shortest first), so that
-    each micro-batch's trimmed width is close to its rows' lengths; None where it would not help: trimming off,
-    or pipeline parallelism (one width for the whole batch), or rows already in that order.
+def _one_width(chunks) -> bool:
+    """Pipeline parallelism: p2p buffers have one shape, so every micro-batch has the same width."""
+    return mpu.get_pipeline_model_parallel_world_size() > 1 or len(chunks) > 1
+
+
+def group_by_length(chunks, batch: dict[str, torch.Tensor], trim: bool = True):
+    """``(batch, order)``: the rows reordered shortest first, so that rows of similar length share micro-batches
+    and each micro-batch's trimmed width is close to its rows' lengths, and the order applied (``batch[order]``);
+    ``(batch, None)`` where it would not help: trimming off, one width for all micro-batches, rows in order.
 
     Reordering rows changes no loss or gradient: the aggregation is over the whole batch (denominators from
     the whole batch, per-sequence terms per row); only per-micro-batch metric means and float summation order
     differ.
     """
-    if not trim or mpu.get_pipeline_model_parallel_world_size() > 1 or len(chunks) > 1:
-        return None
+    if not trim or _one_width(chunks):
+        return batch, None
     order = torch.argsort(batch["model_lengths"], stable=True)
-    return None if bool((order[1:] > order[:-1]).all()) else order
-
-
-def take_rows(batch: dict[str, torch.Tensor], order: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``batch`` with every tensor whose first dim is the batch reindexed by ``order``."""
+    if bool((order[1:] > order[:-1]).all()):
+        return batch, None
     b = batch["input_ids"].shape[0]
-    return {k: v[order] if isinstance(v, torch.Tensor) and v.dim() and len(v) == b else v for k, v in batch.items()}
+    rows = {k: v[order] if isinstance(v, torch.Tensor) and v.dim() and len(v) == b else v for k, v in batch.items()}
+    return rows, order
 
 
 def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -340,9 +343,7 @@ def forward_backward(
     r = prepared["responses"].shape[1]
     if response_mask_key not in prepared:
         prepared[response_mask_key] = prepared["attention_mask"][:, -r:]
-    order = length_order(chunks, prepared, trim)
-    if order is not None:
-        prepared = take_rows(prepared, order)
+    prepared, _ = group_by_length(chunks, prepared, trim)
     micro_batches = micro_batches_trimmed(chunks, prepared, micro_batch_size, trim)
     last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
     dp_group = mpu.get_data_parallel_group()
@@ -422,9 +423,7 @@ def forward_outputs(
     if len(chunks) > 1:
         pp = mpu.get_pipeline_model_parallel_world_size()
         count = -(-count // pp) * pp
-    order = length_order(chunks, prepared, trim)
-    if order is not None:
-        prepared = take_rows(prepared, order)
+    prepared, order = group_by_length(chunks, prepared, trim)
     micro_batches = micro_batches_trimmed(chunks, _pad_rows(prepared, count * micro_batch_size - b),
                                           micro_batch_size, trim)  # fmt: skip
 

@@ -141,13 +141,8 @@ def check_reward_sources(reward: Any, train_ds: Any, val_ds: Any | None) -> None
     """Every data_source of the training AND validation data has a scorer (an unknown validation source would
     otherwise score 0 on every sample, silently, each validation)."""
     if reward is not None:
-        datasets = [train_ds] if val_ds is None else [train_ds, val_ds]
-        missing: dict[str, tuple[int, str]] = {}
-        for d in datasets:
-            for source, (count, first) in d.without_ground_truth.items():
-                seen, first = missing.get(source, (0, first))
-                missing[source] = (seen + count, first)
-        reward.check_data_sources([s for d in datasets for s in d.data_sources], missing)
+        for dataset in [train_ds] if val_ds is None else [train_ds, val_ds]:
+            reward.check_data_sources(dataset.data_sources, dataset.without_ground_truth)
 
 
 def data_summary(cfg: RunConfig, train_ds: Any, val_ds: Any | None) -> str:
