@@ -2,9 +2,10 @@
 
 This module owns the batch container and every single-process operation on it: construction and
 validation, field selection (select / pop / union / rename), row indexing, chunk / split / concat, repeat,
-reorder, padding to a divisor, mini-batch iteration, save / load and pickling. The collectives that move a
-DataProto over a process group (:func:`scatter`, :func:`all_gather`) live in ``hybridrl/protocol_dist.py``
-and are re-exported here.
+reorder, padding to a divisor, mini-batch iteration and pickling. The file format of ``save_to_disk`` /
+``load_from_disk`` lives in ``hybridrl/protocol_io.py``; the collectives that move a DataProto over a
+process group (:func:`scatter`, :func:`all_gather`) live in ``hybridrl/protocol_dist.py`` and are
+re-exported here.
 
 A DataProto holds three things:
 - ``batch``: a plain ``dict[str, torch.Tensor]``; every tensor's first dim is the batch dim;
@@ -13,20 +14,24 @@ A DataProto holds three things:
 - ``meta_info``: a free-form dict (temperature, step, ...), not indexed by row.
 
 ``batch`` is a plain dict rather than a ``tensordict.TensorDict`` (what verl uses) on purpose: tensordict
-pins torch releases tightly, and a plain dict plus the few helpers below is all an RL loop needs.
+pins torch releases tightly, and a plain dict plus the few helpers below is all an RL loop needs. So
+``len(data.batch)`` counts fields here, not rows: use ``len(data)``.
 
-Mutation follows verl, so code ported from verl keeps working: ``pop``, ``union``, ``rename``,
-``reorder`` and ``to`` change the DataProto in place and return it (``pop`` returns the removed part);
-every other operation returns a new DataProto. New DataProtos share tensor storage with their source where
-torch does (a slice is a view) and get their own shallow copy of ``meta_info``.
+verl compatibility: the methods verl code calls take verl's argument names and follow verl's semantics
+(``select`` / ``pop`` with ``batch_keys``, ``non_tensor_batch_keys``, ``meta_info_keys``; ``concat`` merges
+the parts' ``meta_info["metrics"]`` into lists; ``make_iterator`` keeps row order unless asked to shuffle;
+``save_to_disk`` / ``load_from_disk``; ``slice``, ``select_idxs``, ``sample_level_repeat`` and the functions
+``pad_dataproto_to_divisor`` / ``unpad_dataproto``). Where hybridrl is stricter (a missing key is an error,
+not skipped) the error says so. Mutation follows verl too: ``pop``, ``union``, ``rename``, ``reorder`` and
+``to`` change the DataProto in place and return it (``pop`` returns the removed part); every other
+operation returns a new DataProto. New DataProtos share tensor storage with their source where torch does
+(a slice is a view) and get their own shallow copy of ``meta_info``.
 """
 
 from __future__ import annotations
 
-import math
+import copy
 import os
-import pickle
-import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,8 +39,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridrl.protocol_values import merge_meta, values_equal
+
 Index = int | slice | Sequence[int] | np.ndarray | torch.Tensor
-_FORMAT = "hybridrl.DataProto/1"
 
 
 @dataclass
@@ -71,66 +77,11 @@ def _as_array(key: str, value: Any) -> np.ndarray:
     raise TypeError(f"non-tensor {key!r} must be a numpy array or a list, got {type(value).__name__}")
 
 
-def _tensor_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a is b:
-        return True
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    b = b.to(a.device)
-    if a.is_floating_point() or a.is_complex():
-        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
-    return torch.equal(a, b)
-
-
-def _values_equal(a: Any, b: Any) -> bool:
-    """Value equality for tensors, arrays (object arrays element-wise), containers and scalars; NaN == NaN."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _tensor_equal(a, b)
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
-            return False
-        if a.dtype.hasobject or b.dtype.hasobject:
-            return all(_values_equal(x, y) for x, y in zip(a.reshape(-1), b.reshape(-1), strict=True))
-        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc"))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple) and type(a) is type(b):
-        return len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    try:
-        return bool(a == b)
-    except Exception:  # == that returns something without a truth value
-        return False
-
-
 def _compact(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself, or a copy when it views a larger storage (pickling a view would ship the whole storage)."""
     if t.untyped_storage().nbytes() != t.numel() * t.element_size():
         return t.clone()
     return t
-
-
-def _encode_array(a: np.ndarray) -> Any:
-    """A non-tensor array as builtins, so that ``torch.load(weights_only=True)`` can read it back."""
-    if a.dtype.hasobject:
-        return {"shape": list(a.shape), "items": list(a.reshape(-1))}
-    if a.dtype.names is None:
-        return {"shape": list(a.shape), "dtype": a.dtype.str, "data": np.ascontiguousarray(a).tobytes()}
-    return a  # structured dtype: pickled by numpy, needs weights_only=False to load
-
-
-def _decode_array(enc: Any) -> np.ndarray:
-    if isinstance(enc, np.ndarray):
-        return enc
-    if "items" in enc:
-        arr = np.empty(len(enc["items"]), dtype=object)
-        for i, v in enumerate(enc["items"]):
-            arr[i] = v
-        return arr.reshape(enc["shape"])
-    return np.frombuffer(enc["data"], dtype=np.dtype(enc["dtype"])).reshape(enc["shape"]).copy()
 
 
 class DataProto:
@@ -277,43 +228,66 @@ class DataProto:
         for i in range(len(self)):
             yield self[i]
 
+    def slice(self, start: int | None = None, end: int | None = None, step: int | None = None) -> DataProto:
+        """``self[start:end:step]`` (verl's name)."""
+        return self[start:end:step]
+
+    def select_idxs(self, idxs: Sequence[int] | np.ndarray | torch.Tensor) -> DataProto:
+        """The rows at ``idxs`` (ids or a bool mask; verl's name for ``self[idxs]``)."""
+        return self[idxs]
+
     # ---- fields ------------------------------------------------------------------------------------------
 
     def _missing(self, op: str, keys: list[str] | None, fields: Mapping[str, Any], kind: str) -> None:
         for k in keys or []:
             if k not in fields:
-                raise KeyError(f"{op}: no {kind} field {k!r}; available: {sorted(fields)}")
+                skipped = op == "select" and kind != "tensor"  # verl filters these silently, ported code may rely on it
+                skip = f" (verl's select skips missing {kind} keys; drop it)" if skipped else ""
+                raise KeyError(f"{op}: no {kind} field {k!r}; available: {sorted(fields)}{skip}")
 
     def select(
         self,
-        keys: str | Iterable[str] | None = None,
-        non_tensor_keys: str | Iterable[str] | None = None,
-        meta_keys: str | Iterable[str] | None = None,
+        batch_keys: str | Iterable[str] | None = None,
+        non_tensor_batch_keys: str | Iterable[str] | None = None,
+        meta_info_keys: str | Iterable[str] | None = None,
+        deepcopy: bool = False,
     ) -> DataProto:
-        """A new DataProto with only the named fields (``None`` keeps all of that kind); tensors are shared."""
-        keys, non_tensor_keys, meta_keys = _key_list(keys), _key_list(non_tensor_keys), _key_list(meta_keys)
+        """A new DataProto with only the named fields (``None`` keeps all of that kind).
+
+        Tensors are shared; ``deepcopy`` copies the non-tensor arrays and meta_info values (as verl's does).
+
+        Raises:
+            KeyError: a named field does not exist (the message lists the ones that do).
+        """
+        keys, arrays, metas = _key_list(batch_keys), _key_list(non_tensor_batch_keys), _key_list(meta_info_keys)
         self._missing("select", keys, self.batch, "tensor")
-        self._missing("select", non_tensor_keys, self.non_tensor_batch, "non-tensor")
-        self._missing("select", meta_keys, self.meta_info, "meta_info")
-        return DataProto(
-            _pick(self.batch, keys), _pick(self.non_tensor_batch, non_tensor_keys), _pick(self.meta_info, meta_keys)
-        )
+        self._missing("select", arrays, self.non_tensor_batch, "non-tensor")
+        self._missing("select", metas, self.meta_info, "meta_info")
+        non_tensors, meta = _pick(self.non_tensor_batch, arrays), _pick(self.meta_info, metas)
+        if deepcopy:
+            non_tensors, meta = copy.deepcopy(non_tensors), copy.deepcopy(meta)
+        return DataProto(_pick(self.batch, keys), non_tensors, meta)
 
     def pop(
         self,
-        keys: str | Iterable[str] | None = None,
-        non_tensor_keys: str | Iterable[str] | None = None,
-        meta_keys: str | Iterable[str] | None = None,
+        batch_keys: str | Iterable[str] | None = None,
+        non_tensor_batch_keys: str | Iterable[str] | None = None,
+        meta_info_keys: str | Iterable[str] | None = None,
     ) -> DataProto:
-        """Remove the named fields from this DataProto (``None`` removes none) and return them as a new one."""
-        keys, non_tensor_keys, meta_keys = _key_list(keys) or [], _key_list(non_tensor_keys) or [], _key_list(meta_keys)
+        """Remove the named fields from this DataProto (``None`` removes none) and return them as a new one.
+
+        Raises:
+            KeyError: a named field does not exist; nothing is removed then.
+        """
+        keys, arrays = _key_list(batch_keys) or [], _key_list(non_tensor_batch_keys) or []
+        metas = _key_list(meta_info_keys) or []
         self._missing("pop", keys, self.batch, "tensor")
-        self._missing("pop", non_tensor_keys, self.non_tensor_batch, "non-tensor")
-        self._missing("pop", meta_keys, self.meta_info, "meta_info")
+        self._missing("pop", arrays, self.non_tensor_batch, "non-tensor")
+        self._missing("pop", metas, self.meta_info, "meta_info")
         return DataProto(
             {k: self.batch.pop(k) for k in keys},
-            {k: self.non_tensor_batch.pop(k) for k in non_tensor_keys},
-            {k: self.meta_info.pop(k) for k in meta_keys or []},
+            {k: self.non_tensor_batch.pop(k) for k in arrays},
+            {k: self.meta_info.pop(k) for k in metas},
         )
 
     def union(self, other: DataProto) -> DataProto:
@@ -330,7 +304,7 @@ class DataProto:
             ("meta_info", self.meta_info, other.meta_info),
         ):
             for k in theirs.keys() & mine.keys():
-                if not _values_equal(mine[k], theirs[k]):
+                if not values_equal(mine[k], theirs[k]):
                     raise ValueError(f"union: {kind} {k!r} differs between the two batches; pop or rename it first")
         merged = DataProto(
             {**self.batch, **other.batch},
@@ -383,12 +357,16 @@ class DataProto:
 
     @staticmethod
     def concat(data: Sequence[DataProto]) -> DataProto:
-        """Concatenate DataProtos with the same fields along the batch dim.
+        """Concatenate DataProtos with the same fields along the batch dim (e.g. the outputs of workers).
 
-        ``meta_info`` is merged; a key present in several parts must hold equal values.
+        ``meta_info`` is merged as verl merges it: ``"metrics"`` (each part's dict of metric values, or list
+        of such dicts) becomes one dict of lists, a value per part that reports the metric, in part order:
+        ``{"loss": 0.5}`` and ``{"loss": 0.6}`` give ``{"loss": [0.5, 0.6]}``. Every other key is kept
+        once; a key present in several parts must hold equal values there.
 
         Raises:
-            ValueError: empty input, or parts that differ in keys, tensor dtypes, trailing shapes or meta values.
+            ValueError: empty input, parts that differ in keys, tensor dtypes or trailing shapes, a meta_info
+                key with different values in two parts, or metrics that are not dicts.
         """
         if not data:
             raise ValueError("concat: got no DataProto to concatenate")
@@ -409,14 +387,7 @@ class DataProto:
                             f"concat: {kind} {k!r} is {a.dtype}{list(a.shape[1:])} per row in part 0, "
                             f"but {b.dtype}{list(b.shape[1:])} in part {i}"
                         )
-        meta: dict[str, Any] = {}
-        source: dict[str, int] = {}
-        for i, part in enumerate(data):
-            for k, v in part.meta_info.items():
-                if k in meta and not _values_equal(meta[k], v):
-                    raise ValueError(f"concat: meta_info {k!r} differs between part {source[k]} and part {i}; pop it")
-                meta.setdefault(k, v)
-                source.setdefault(k, i)
+        meta = merge_meta([d.meta_info for d in data])
         return DataProto(
             {k: torch.cat([d.batch[k] for d in data]) for k in first.batch},
             {k: np.concatenate([d.non_tensor_batch[k] for d in data]) for k in first.non_tensor_batch},
@@ -440,6 +411,27 @@ class DataProto:
             tensors = {k: t.repeat(repeat_times, *([1] * (t.ndim - 1))) for k, t in self.batch.items()}
             arrays = {k: np.concatenate([a] * repeat_times) for k, a in self.non_tensor_batch.items()}
         return self._new(tensors, arrays)
+
+    def sample_level_repeat(self, repeat_times: Sequence[int] | np.ndarray | torch.Tensor) -> DataProto:
+        """Repeat row ``i`` ``repeat_times[i]`` times, copies adjacent (verl's name; 0 drops the row).
+
+        ``(batch, ...)`` -> ``(sum(repeat_times), ...)``.
+
+        Raises:
+            ValueError: ``repeat_times`` is not one non-negative integer per row.
+        """
+        counts = np.asarray(repeat_times.cpu() if isinstance(repeat_times, torch.Tensor) else repeat_times)
+        n = len(self)
+        if counts.shape != (n,) or (n and (counts.dtype.kind not in "iu" or counts.min() < 0)):
+            raise ValueError(
+                f"sample_level_repeat: repeat_times must hold one integer >= 0 per row ({n}), got "
+                f"{counts.dtype}{list(counts.shape)}"
+            )
+        counts = counts.astype(np.int64)
+        return self._new(
+            {k: t.repeat_interleave(torch.as_tensor(counts, device=t.device), dim=0) for k, t in self.batch.items()},
+            {k: np.repeat(a, counts, axis=0) for k, a in self.non_tensor_batch.items()},
+        )
 
     def reorder(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> DataProto:
         """Permute the rows in place (row ``i`` becomes old row ``indices[i]``) and return this DataProto.
@@ -467,7 +459,9 @@ class DataProto:
         pad_size = -n % divisor
         if pad_size == 0:
             return self[:], 0
-        return DataProto.concat([self, self[np.arange(pad_size) % n]]), pad_size
+        padded = DataProto.concat([self, self[np.arange(pad_size) % n]])
+        padded.meta_info = dict(self.meta_info)  # not concat's merge: that would turn metrics into lists
+        return padded, pad_size
 
     def unpad(self, pad_size: int) -> DataProto:
         """Drop the last ``pad_size`` rows (the padding added by :meth:`pad_to_divisor`)."""
@@ -477,15 +471,31 @@ class DataProto:
         return self[: n - pad_size]
 
     def make_iterator(
-        self, mini_batch_size: int, epochs: int = 1, shuffle: bool = True, seed: int = 0
+        self,
+        mini_batch_size: int,
+        epochs: int = 1,
+        seed: int | None = 0,
+        dataloader_kwargs: Mapping[str, Any] | None = None,
+        shuffle: bool | None = None,
     ) -> Iterator[DataProto]:
         """Mini-batches of ``(mini_batch_size, ...)`` rows over ``epochs`` passes through the batch.
 
-        Each epoch visits every row exactly once; with ``shuffle`` each epoch draws a new permutation from one
-        ``torch.Generator`` seeded with ``seed``, so the sequence is the same on every rank and every run.
+        As in verl, rows come in order unless shuffling is asked for, with ``shuffle=True`` or verl's
+        ``dataloader_kwargs={"shuffle": True}``. Each epoch visits every row exactly once; shuffled, each epoch
+        draws a new permutation from one ``torch.Generator`` seeded with ``seed`` (the same on every rank and
+        every run; ``seed=None``, as in verl, draws from torch's global RNG instead).
+
+        Args:
+            mini_batch_size: rows per mini-batch; must divide the batch.
+            epochs: passes through the batch.
+            seed: the shuffle's seed.
+            dataloader_kwargs: verl's spelling; only ``"shuffle"`` means something here (there is no
+                DataLoader), any other key is an error.
+            shuffle: shuffle rows; ``None`` takes ``dataloader_kwargs["shuffle"]``, default ``False``.
 
         Raises:
-            ValueError: ``batch`` is not divisible by ``mini_batch_size`` (checked here, not at first ``next``).
+            ValueError: ``batch`` is not divisible by ``mini_batch_size`` (checked here, not at first ``next``),
+                an unknown ``dataloader_kwargs`` key, or ``shuffle`` disagreeing with ``dataloader_kwargs``.
         """
         n = len(self)
         if mini_batch_size < 1 or epochs < 0:
@@ -497,7 +507,19 @@ class DataProto:
                 f"make_iterator: batch size {n} is not divisible by mini_batch_size {mini_batch_size}; "
                 f"pad_to_divisor({mini_batch_size}) or pick a divisor"
             )
-        generator = torch.Generator().manual_seed(seed)
+        kwargs = dict(dataloader_kwargs or {})
+        for key in kwargs:
+            if key != "shuffle":
+                raise ValueError(
+                    f"make_iterator: dataloader_kwargs key {key!r} is not supported (verl hands these to a torch "
+                    "DataLoader; hybridrl's iterator has none and reads only 'shuffle'); drop it"
+                )
+        if shuffle is not None and "shuffle" in kwargs and bool(kwargs["shuffle"]) != shuffle:
+            raise ValueError(
+                f"make_iterator: shuffle={shuffle} but dataloader_kwargs['shuffle']={kwargs['shuffle']}; pass one"
+            )
+        shuffle = bool(kwargs.get("shuffle", False)) if shuffle is None else shuffle
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
         def batches() -> Iterator[DataProto]:
             for _ in range(epochs):
@@ -514,53 +536,47 @@ class DataProto:
         self.batch = {k: t.to(device, non_blocking=non_blocking) for k, t in self.batch.items()}
         return self
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write to ``path`` with ``torch.save`` as plain dicts (views are compacted first).
+    def save_to_disk(self, filepath: str | os.PathLike) -> None:
+        """Write this DataProto to ``filepath`` (a safetensors file; see ``hybridrl/protocol_io.py``).
 
-        Non-tensor arrays are stored as builtins (object arrays as lists of their items, other arrays as raw
-        bytes), so a file whose object arrays and meta_info hold only builtins (str, int, float, bool, None,
-        list, tuple, dict) and tensors loads with ``weights_only=True``.
+        Raises:
+            TypeError: a non-tensor or meta_info value the file cannot hold (names the field): tensors, numpy
+                arrays and scalars, and None/bool/int/float/str/bytes with lists, tuples and dicts of them.
         """
-        torch.save(
-            {
-                "format": _FORMAT,
-                "batch": {k: _compact(t) for k, t in self.batch.items()},
-                "non_tensor_batch": {k: _encode_array(a) for k, a in self.non_tensor_batch.items()},
-                "meta_info": self.meta_info,
-            },
-            path,
-        )
+        from hybridrl import protocol_io
+
+        protocol_io.save(self, filepath)
 
     @classmethod
-    def load(
-        cls, path: str | os.PathLike, map_location: str | torch.device | None = "cpu", weights_only: bool = True
-    ) -> DataProto:
-        """Read a DataProto written by :meth:`save`.
+    def load_from_disk(cls, filepath: str | os.PathLike) -> DataProto:
+        """Read a file written by :meth:`save_to_disk`; tensors land on the CPU. Never unpickles.
 
-        Args:
-            path: the file.
-            map_location: where tensors go (``torch.load``'s argument).
-            weights_only: load with torch's restricted unpickler (safe for untrusted files). Files whose
-                non-tensor arrays or meta_info hold other Python objects (numpy scalars, custom classes,
-                images) need ``weights_only=False``: only do that for files you trust, it runs pickle.
+        Raises:
+            FileNotFoundError: no file at ``filepath``.
+            ValueError: not a file written by ``save_to_disk`` (e.g. verl's pickle): refused, never unpickled.
         """
-        try:
-            payload = torch.load(path, map_location=map_location, weights_only=weights_only)
-        except pickle.UnpicklingError as err:
-            if not weights_only:
-                raise
-            found = re.search(r"GLOBAL (\S+)", str(err))
-            what = f" ({found.group(1)})" if found else ""
-            raise pickle.UnpicklingError(
-                f"DataProto.load({os.fspath(path)!r}): the file holds Python objects beyond tensors and builtins"
-                f"{what}; if you trust the file, pass weights_only=False"
-            ) from err
-        if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
-            raise ValueError(f"DataProto.load({os.fspath(path)!r}): not a file written by DataProto.save")
-        arrays = {k: _decode_array(v) for k, v in payload["non_tensor_batch"].items()}
-        return cls(payload["batch"], arrays, payload["meta_info"])
+        from hybridrl import protocol_io
+
+        return protocol_io.load(filepath)
+
+
+def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
+    """verl's name for :meth:`DataProto.pad_to_divisor`: ``(padded, pad_size)``."""
+    return data.pad_to_divisor(size_divisor)
+
+
+def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
+    """verl's name for :meth:`DataProto.unpad`: drops the last ``pad_size`` rows."""
+    return data.unpad(pad_size)
 
 
 from hybridrl.protocol_dist import all_gather, scatter  # noqa: E402  (re-export; protocol_dist imports us lazily)
 
-__all__ = ["DataProto", "DataProtoItem", "all_gather", "scatter"]
+__all__ = [
+    "DataProto",
+    "DataProtoItem",
+    "all_gather",
+    "pad_dataproto_to_divisor",
+    "scatter",
+    "unpad_dataproto",
+]

@@ -3,12 +3,19 @@
 This module owns the prompt schema, its checks and the prompt tensors. A file (parquet, or ``.jsonl``)
 has one prompt per row:
 
-- ``prompt`` (``data.prompt_key``): a list of ``{"role", "content"}`` chat messages, or a string (one
-  user turn); rendered with the tokenizer's chat template (see :mod:`hybridrl.data.tokenizers`);
-- ``data_source``: a string that picks the reward scorer (``hybridrl.rewards.get_scorer``);
-- ``reward_model``: a struct/dict whose ``ground_truth`` the rule-based scorers compare against (may be
-  null for reward-model-only data);
+- ``prompt`` (``data.prompt_key``, the only required column): a list of ``{"role", "content"}`` chat
+  messages, or a string (one user turn); rendered with the tokenizer's chat template (see
+  :mod:`hybridrl.data.tokenizers`);
+- ``data_source`` (optional): a string that picks the reward scorer when ``reward.scorer`` is "auto"
+  (``hybridrl.rewards.get_scorer``);
+- ``reward_model`` (optional): a struct/dict whose ``ground_truth`` the rule-based scorers compare against
+  (may be null for reward-model-only data);
 - ``extra_info`` (optional): a struct/dict handed to scorers as is.
+
+Other columns (``chosen``, ...) are not read. What a reward needs is the trainer's question, not the
+loader's: a file without ``data_source`` or ``reward_model`` loads, and the run's start-up check
+(``RewardManager.check_data_sources``) says in one line what the configured scorer is missing and how to
+fix it (:attr:`RLHFDataset.data_sources` holds ``None`` for rows without a data_source).
 
 Everything is read, checked and tokenized at construction, so bad input fails before training starts
 with one line that names the file, row, value and fix. Prompts longer than ``max_prompt_length`` are
@@ -129,10 +136,12 @@ class RLHFDataset:
 
     Attributes:
         stats: ``files``, ``rows_read``, ``rows_filtered_overlong``, ``rows_truncated``, ``rows``.
-        data_sources: the distinct ``data_source`` values (check them against the reward registry early).
+        data_sources: the distinct ``data_source`` values, then ``None`` if a file has no data_source column
+            (check them against the reward registry early).
         without_ground_truth: data_source -> (rows, the first one as ``"<file>: row <r> (reward_model keys
-            [...])"``) of the rows whose ``reward_model.ground_truth`` is missing or null (an error where a
-            built-in scorer scores them; data scored by a reward model alone needs none).
+            [...])"`` or ``"... (no 'reward_model' column)"``) of the rows whose ``reward_model.ground_truth``
+            is missing or null (an error where a built-in scorer scores them; data scored by a reward model
+            alone needs none).
 
     Raises:
         FileNotFoundError / ValueError: a missing or unreadable file, a missing column, a bad or empty
@@ -157,7 +166,8 @@ class RLHFDataset:
         self.stats["rows"] = len(self._rows)
         if not self._rows:
             raise DataError(f"RLHFDataset has no prompts left ({self.stats}); check data files and max_prompt_length")
-        self.data_sources = sorted({r["data_source"] for r in self._rows})
+        sources = {r["data_source"] for r in self._rows}
+        self.data_sources: list[str | None] = sorted(sources - {None}) + ([None] if None in sources else [])
         log = logger.warning if self.stats["rows_filtered_overlong"] else logger.info
         log("RLHFDataset: %s", self.summary())
 
@@ -172,14 +182,15 @@ class RLHFDataset:
 
     def _load_file(self, file_idx: int, path: str) -> None:
         key, limit = self.options.prompt_key, self.max_prompt_length
-        cols = read_rows(path, required=(key, "data_source", "reward_model"), optional=("extra_info",))
+        cols = read_rows(path, required=(key,), optional=("data_source", "reward_model", "extra_info"))
+        sources, reward_models, extras = cols["data_source"], cols["reward_model"], cols["extra_info"]
         overlong: list[tuple[int, int]] = []
         for row, prompt in enumerate(cols[key]):
             where = f"{path}: row {row}"
             self.stats["rows_read"] += 1
             messages = _messages(prompt, where, key)
-            source = cols["data_source"][row]
-            if not isinstance(source, str) or not source:
+            source = None if sources is None else sources[row]
+            if sources is not None and (not isinstance(source, str) or not source):
                 raise DataError(f"{where}: column 'data_source' is {source!r}; it must be a non-empty string")
             ids = self.tokenizer.apply_chat_template(messages)
             if len(ids) > limit:
@@ -196,8 +207,8 @@ class RLHFDataset:
                     "ids": ids,
                     "raw_prompt": prompt if isinstance(prompt, str) else messages,
                     "data_source": source,
-                    "ground_truth": self._ground_truth(cols["reward_model"][row], where, source),
-                    "extra_info": _as_dict(cols["extra_info"][row], where, "extra_info"),
+                    "ground_truth": self._ground_truth(reward_models, row, where, source),
+                    "extra_info": _as_dict(None if extras is None else extras[row], where, "extra_info"),
                     "uid": f"{file_idx}/{row}",
                 }
             )
@@ -209,10 +220,11 @@ class RLHFDataset:
                 "set data.truncation to left/right, or set data.filter_overlong_prompts=true"
             )
 
-    def _ground_truth(self, value: Any, where: str, source: str) -> Any:
-        reward_model = _as_dict(value, where, "reward_model")
+    def _ground_truth(self, column: list[Any] | None, row: int, where: str, source: str | None) -> Any:
+        reward_model = {} if column is None else _as_dict(column[row], where, "reward_model")
         if reward_model.get("ground_truth") is None:
-            first = f"{where} (reward_model keys {sorted(reward_model)})"
+            what = "no 'reward_model' column" if column is None else f"reward_model keys {sorted(reward_model)}"
+            first = f"{where} ({what})"
             count, first = self.without_ground_truth.get(source, (0, first))
             self.without_ground_truth[source] = (count + 1, first)
         return reward_model.get("ground_truth")

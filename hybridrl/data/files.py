@@ -73,16 +73,19 @@ def _starts_with(path: Path, char: str) -> bool:
     return head.startswith(char)
 
 
-def read_rows(path: str | os.PathLike, required: Sequence[str], optional: Sequence[str] = ()) -> dict[str, list[Any]]:
+def read_rows(
+    path: str | os.PathLike, required: Sequence[str], optional: Sequence[str] = ()
+) -> dict[str, list[Any] | None]:
     """The ``required`` and ``optional`` columns of one parquet (or ``.jsonl``) file.
 
     Args:
         path: the file.
         required: columns that must exist.
-        optional: columns read when present (missing ones come back as lists of ``None``).
+        optional: columns read when present.
 
     Returns:
-        Column name -> list of row values, for exactly ``required + optional``.
+        Column name -> list of row values, for exactly ``required + optional``; an optional column the file
+        does not have maps to ``None`` (not to a list), so callers can tell "no column" from "null values".
 
     Raises:
         DataError: the file is missing or a folder, cannot be parsed, or lacks a required column (one line
@@ -94,8 +97,7 @@ def read_rows(path: str | os.PathLike, required: Sequence[str], optional: Sequen
     for col in required:
         if col not in table:
             raise DataError(f"{path}: missing column {col!r} (has {sorted(names)}); add the column to the file")
-    n = len(next(iter(table.values()))) if table else 0
-    return {c: table[c] if c in table else [None] * n for c in (*required, *optional)}
+    return {c: table.get(c) for c in (*required, *optional)}
 
 
 def check_data_file(path: str | os.PathLike) -> None:

@@ -61,12 +61,20 @@ def known_sources() -> list[str]:
     return sorted(_SCORERS)
 
 
-def get_scorer(data_source: str) -> Scorer:
+def get_scorer(data_source: str | None) -> Scorer:
     """The scorer registered for ``data_source`` (or a scorer name such as "gsm8k", "math").
 
     Raises:
-        ValueError: nothing is registered under that name (the message lists what is).
+        ValueError: nothing is registered under that name (the message lists what is), or ``data_source`` is
+            None (rows of a file without a data_source column: the message says how to score them).
     """
+    if data_source is None:  # RLHFDataset's rows from a file without a data_source column
+        raise ValueError(
+            "rows without a data_source (their data file has no 'data_source' column) have no reward scorer: "
+            f"reward.scorer='auto' picks one by data_source; add a 'data_source' column naming one of "
+            f"{known_sources()}, or set reward.scorer to one of them, reward.custom.path to your function, or "
+            "reward.scorer=null to score with a reward model alone"
+        )
     try:
         return _SCORERS[data_source]
     except (KeyError, TypeError):

@@ -96,10 +96,8 @@ def _bad_file(tmp_path, name, table):
 
 def test_bad_input_errors_name_file_row_and_fix(hf_tok, tmp_path):
     cfg = {"max_prompt_length": 32}
-    missing = _bad_file(tmp_path, "nosrc.parquet", [{"prompt": "hi", "reward_model": {"ground_truth": "1"}}])
-    with pytest.raises(
-        ValueError, match=rf"{missing}: missing column 'data_source' \(has \['prompt', 'reward_model'\]\)"
-    ):
+    missing = _bad_file(tmp_path, "noprompt.parquet", [{"question": "hi", "data_source": "gsm8k"}])
+    with pytest.raises(ValueError, match=rf"{missing}: missing column 'prompt' \(has \['data_source', 'question'\]\)"):
         RLHFDataset([missing], hf_tok, cfg)
     renamed = write_rows(rows(2), tmp_path / "ok.parquet")
     with pytest.raises(ValueError, match="missing column 'question'"):

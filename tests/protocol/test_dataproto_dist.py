@@ -106,7 +106,7 @@ def _body(rank: int, world: int) -> bytes:
     out["gather_equal"] = all_gather(full.chunk(world)[rank])
     start = sum(VAR_SIZES[world][:rank])
     out["gather_var"] = all_gather(full[start : start + VAR_SIZES[world][rank]])
-    out["gather_no_tensors"] = all_gather(full.select(keys=[])[start : start + VAR_SIZES[world][rank]])
+    out["gather_no_tensors"] = all_gather(full.select(batch_keys=[])[start : start + VAR_SIZES[world][rank]])
     # the same fields inserted in another order on odd ranks: each part must be read in its own order
     mine = full.chunk(world)[rank]
     keys = list(mine.batch.keys())
@@ -167,7 +167,7 @@ def test_all_gather_with_different_sizes_per_rank(ranks):
     for res in results:
         assert len(res["gather_var"]) == sum(VAR_SIZES[world])
         assert_same(res["gather_var"], DataProto.concat(parts))
-        assert_same(res["gather_no_tensors"], DataProto.concat([p.select(keys=[]) for p in parts]))
+        assert_same(res["gather_no_tensors"], DataProto.concat([p.select(batch_keys=[]) for p in parts]))
 
 
 def test_all_gather_reads_each_rank_in_its_own_field_order(ranks):

@@ -109,8 +109,8 @@ def test_iterator_covers_every_row_once_per_epoch(x, mbs, epochs, shuffle, seed)
 @given(dataprotos())
 def test_save_load_and_pickle_roundtrip(x):
     with tempfile.TemporaryDirectory() as tmp:
-        x.save(Path(tmp) / "x.pt")
-        assert_same(DataProto.load(Path(tmp) / "x.pt"), x)
+        x.save_to_disk(Path(tmp) / "x.dp")
+        assert_same(DataProto.load_from_disk(Path(tmp) / "x.dp"), x)
     assert_same(pickle.loads(pickle.dumps(x)), x)
     assert_same(pickle.loads(pickle.dumps(x[1:])), x[1:])
 
@@ -135,7 +135,7 @@ def test_select_and_pop_then_union_restores_the_fields(x, data):
     arrays = data.draw(st.lists(st.sampled_from(list(x.non_tensor_batch) or ["-"]), unique=True))
     arrays = [a for a in arrays if a in x.non_tensor_batch]
     rest = x.select()
-    taken = rest.pop(keys=keys, non_tensor_keys=arrays)
+    taken = rest.pop(batch_keys=keys, non_tensor_batch_keys=arrays)
     assert set(taken.batch) == set(keys) and not set(keys) & set(rest.batch)
     merged = taken.union(rest)
-    assert_same(merged.select(keys=list(x.batch), non_tensor_keys=list(x.non_tensor_batch)), x)
+    assert_same(merged.select(batch_keys=list(x.batch), non_tensor_batch_keys=list(x.non_tensor_batch)), x)
