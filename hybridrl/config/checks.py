@@ -254,9 +254,12 @@ def check_policy_loss(cfg: RunConfig, world: int) -> None:
         if _get(cfg, key) <= 0:
             _fail(f"{key} ({_get(cfg, key)}) must be positive (the constant seq-mean-token-sum-norm divides by)", key)
     p = a.policy_loss
-    if (p.loss_mode == CUSTOM_POLICY_LOSS) != (p.path is not None):
-        _fail(f"actor.policy_loss.path ({_show(p.path)}) goes with actor.policy_loss.loss_mode 'custom' (got "
-              f"{p.loss_mode!r}); set both or neither", "actor.policy_loss.path")  # fmt: skip
+    if p.loss_mode == CUSTOM_POLICY_LOSS and p.path is None:
+        _fail("actor.policy_loss.loss_mode 'custom' needs actor.policy_loss.path (a .py file defining "
+              f"actor.policy_loss.name {p.name!r}); set it", "actor.policy_loss.path")  # fmt: skip
+    if p.loss_mode != CUSTOM_POLICY_LOSS and p.path is not None:
+        _fail(f"actor.policy_loss.path ({p.path!r}) is used with actor.policy_loss.loss_mode 'custom' only (got "
+              f"{p.loss_mode!r}); set actor.policy_loss.loss_mode=custom", "actor.policy_loss.path")  # fmt: skip
     ctrl = cfg.algorithm.kl_ctrl
     if ctrl.type == "adaptive" and (ctrl.target_kl <= 0 or ctrl.horizon < 1):
         key = "algorithm.kl_ctrl.target_kl" if ctrl.target_kl <= 0 else "algorithm.kl_ctrl.horizon"
@@ -476,10 +479,10 @@ def check_batch_sizes(cfg: RunConfig, world: int) -> None:
         c = getattr(cfg, role)
         mini, micro, key = c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu, f"{role}.ppo_mini_batch_size"
         if mini > prompts:  # in prompts, as in verl: a value above the step's prompts can only be responses
-            fix = f"set {key}={mini // n}" if mini % n == 0 and prompts % (mini // n) == 0 else f"lower {key}"
-            _fail(f"{key} ({mini}) counts prompts (as in verl; each update takes {key} * rollout.n responses) and "
-                  f"exceeds data.train_batch_size ({prompts}); a value in responses is {key} / rollout.n ({n}): "
-                  f"{fix}", key)  # fmt: skip
+            old = mini // n if n > 1 and mini % n == 0 and prompts % (mini // n) == 0 else None
+            fix = f"read as responses that is {old} prompts: set {key}={old}" if old else f"lower {key}"
+            _fail(f"{key} ({mini}) counts prompts (as in verl: each update takes {key} * rollout.n responses) and "
+                  f"exceeds data.train_batch_size ({prompts}); {fix}", key)  # fmt: skip
         if prompts % mini:
             _fail(f"{key} ({mini}) must divide data.train_batch_size ({prompts}) (both count prompts); change {key}",
                   key)  # fmt: skip
