@@ -1,9 +1,12 @@
 """RL algorithms as pure functions on masked ``(batch, response_len)`` tensors, with registries.
 
-- :mod:`~hybridrl.algos.advantages`: advantage estimators (gae, grpo, rloo, reinforce++, remax);
-- :mod:`~hybridrl.algos.losses`: PPO clip policy loss (registry), clipped value loss, entropy bonus,
-  loss aggregation modes;
-- :mod:`~hybridrl.algos.kl`: KL estimators, KL reward penalty and KL loss, KL coefficient controllers;
+- :mod:`~hybridrl.algos.advantages`: advantage estimators (gae, grpo, rloo, reinforce++, remax), each declaring
+  the inputs it needs;
+- :mod:`~hybridrl.algos.losses`: the policy-loss registry (PPO clip), clipped value loss, entropy bonus;
+- :mod:`~hybridrl.algos.kl`: KL estimators (straight-through variants included), KL reward penalty and KL loss,
+  KL coefficient controllers;
+- :mod:`~hybridrl.algos.aggregation`: the loss aggregation modes (the one home of their formulas);
+- :mod:`~hybridrl.algos.objectives`: the actor's and the critic's losses, composed from the above;
 - :mod:`~hybridrl.algos.masked`: masked mean / variance / whitening.
 """
 
@@ -13,6 +16,7 @@ from hybridrl.algos.advantages import (
     get_adv_estimator,
     register_adv_estimator,
 )
+from hybridrl.algos.aggregation import AGG_MODES, agg_loss
 from hybridrl.algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -24,22 +28,23 @@ from hybridrl.algos.kl import (
     make_kl_controller,
 )
 from hybridrl.algos.losses import (
-    AGG_MODES,
     POLICY_LOSSES,
-    agg_loss,
     entropy_bonus,
     get_policy_loss,
     ppo_clip_loss,
     register_policy_loss,
     value_loss,
 )
+from hybridrl.algos.objectives import ActorLoss, CriticLoss
 
 __all__ = [
     "ADV_ESTIMATORS",
     "AGG_MODES",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
+    "ActorLoss",
     "AdaptiveKLController",
+    "CriticLoss",
     "FixedKLController",
     "agg_loss",
     "apply_kl_penalty",

@@ -26,19 +26,20 @@ AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
 """Estimator name -> function; fill with :func:`register_adv_estimator`."""
 
-ADV_INPUTS = (
-    "token_level_rewards",
-    "response_mask",
-    "values",
-    "index",
-    "reward_baselines",
-    "gamma",
-    "lam",
-    "norm_adv_by_std_in_grpo",
-    "epsilon",
-    "whiten",
-)
-"""Everything an estimator may ask for by parameter name (see :func:`compute_advantages`)."""
+ADV_INPUTS = {
+    "token_level_rewards": "the rollout's token rewards (scores, minus the KL penalty with use_kl_in_reward)",
+    "response_mask": "the rollout's response mask",
+    "values": "critic values: an estimator asking for them gets a critic (config.schema.CRITIC_ESTIMATORS)",
+    "index": "group id (uid) per response: asking for it needs rollout.n >= 2 (config.schema.GROUP_ESTIMATORS)",
+    "reward_baselines": "score of a greedy response to each response's prompt: the trainer loop generates it",
+    "gamma": "algorithm.gamma",
+    "lam": "algorithm.lam",
+    "norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std_in_grpo",
+    "epsilon": "a small constant (the estimator's default)",
+    "whiten": "whiten the advantages (the estimator's default)",
+}
+"""Everything an estimator may ask for by parameter name -> where the trainer gets it (see
+:func:`compute_advantages`). Declaring a parameter is all an estimator does to get the input."""
 
 
 def register_adv_estimator(name: str) -> Callable[[AdvantageFn], AdvantageFn]:

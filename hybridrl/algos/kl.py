@@ -1,11 +1,20 @@
-"""KL(policy || reference) per token: the estimators (k1, abs, k2, k3 and their aliases), KL as a reward
-penalty (:func:`apply_kl_penalty`) and as a loss (:func:`kl_loss`), and the fixed / adaptive coefficient
-controllers.
+"""KL(policy || reference) per token: the estimators (k1, abs, k2, k3, their aliases and straight-through
+variants), KL as a reward penalty (:func:`apply_kl_penalty`) and as a loss (:func:`kl_loss`), and the fixed /
+adaptive coefficient controllers.
 
 All estimators work on the log-probs of the sampled tokens only, ``logp = log pi(y_t)`` and
 ``ref = log pi_ref(y_t)``, with ``y_t ~ pi`` (Schulman 2020, "Approximating KL Divergence",
-http://joschu.net/blog/kl-approx.html). Names match ``hybridrl.config.schema_roles.KL_TYPES``; "full"
-(the exact KL over the vocabulary) needs the whole distributions and is refused with an explanation.
+http://joschu.net/blog/kl-approx.html). Names match ``hybridrl.config.schema_roles.KL_TYPES`` (verl's:
+``kl_loss_type`` / ``kl_penalty`` in verl's config docs); "full" (the exact KL over the vocabulary) needs the
+whole distributions and is refused with an explanation.
+
+A name with a trailing "+" (``k1+``, ``k3+``, ``low_var_kl+``, ``abs+``, ...) is straight-through, as verl
+defines it: the VALUE of the base estimator with the GRADIENT of k2,
+
+    k_+ = k2 - sg(k2) + sg(k_base)          (sg = stop-gradient)
+
+because k1 and k3 are unbiased for the KL's value but their expected gradients are not the KL's gradient,
+while k2's is (Schulman 2020; verl PR #2953).
 """
 
 from __future__ import annotations
@@ -25,12 +34,26 @@ KL_ESTIMATORS: dict[str, KLFn] = {}
 
 
 def _register(*names: str) -> Callable[[KLFn], KLFn]:
+    """Register ``fn`` under ``names`` and its straight-through variant under each name + "+"."""
+
     def decorator(fn: KLFn) -> KLFn:
+        plus = _straight_through(fn)
         for name in names:
             KL_ESTIMATORS[name] = fn
+            KL_ESTIMATORS[f"{name}+"] = plus
         return fn
 
     return decorator
+
+
+def _straight_through(base: KLFn) -> KLFn:
+    def estimator(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+        k2 = 0.5 * (log_prob - ref_log_prob) ** 2
+        return k2 - k2.detach() + base(log_prob, ref_log_prob).detach()
+
+    estimator.__name__ = f"{base.__name__}_straight_through"
+    estimator.__doc__ = f"Value of {base.__name__}, gradient of k2 (``k2 - sg(k2) + sg({base.__name__})``)."
+    return estimator
 
 
 @_register("kl", "k1")
@@ -56,7 +79,11 @@ def kl_k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     """``k3 = exp(ref - logp) - (ref - logp) - 1``: unbiased, low variance, non-negative (``e^x >= 1 + x``).
 
     ``ref - logp`` is clamped to [-20, 20] and k3 to at most 10, as in verl, so that one token whose
-    probabilities differ wildly cannot dominate the batch.
+    probabilities differ wildly cannot dominate the batch. verl clamps k3 to [-10, 10]; the lower bound here
+    is 0 instead. k3 is never negative in exact arithmetic, so verl's -10 never acts, and the two agree except
+    where float rounding puts ``exp(x) - x - 1`` below 0 (``|x| < 2.5e-4`` in fp32, ``< 1.1e-8`` in fp64):
+    there this returns 0, the nearest value the estimate can take, so that k3 stays non-negative as documented;
+    the difference from verl is at most one ulp of 1 (6e-8 in fp32), on tokens whose true k3 is below 3e-8.
     """
     log_ratio = (ref_log_prob - log_prob).clamp(-20.0, 20.0)
     return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(min=0.0, max=10.0)
@@ -175,6 +202,7 @@ def kl_loss(
     kl_type: str = "low_var_kl",
     loss_agg_mode: str = "token-mean",
     per_token: bool = False,
+    loss_scale_factor: float | None = None,
 ) -> LossOutput:
     """KL as a loss term (GRPO, Shao et al. 2024, "DeepSeekMath", eq. 4, which uses k3): the actor adds
     ``kl_loss_coef * KL`` to the policy loss; gradients flow through ``log_prob``.
@@ -186,10 +214,11 @@ def kl_loss(
         kl_type: KL estimator name (``actor.kl_loss_type``).
         loss_agg_mode: one of ``AGG_MODES`` (ignored with ``per_token``).
         per_token: return the ``(b, r)`` matrix instead of its aggregate.
+        loss_scale_factor: ``C`` of "seq-mean-token-sum-norm" (ignored with ``per_token``).
 
     Returns:
-        ``(loss, metrics)``; metrics: ``kl_loss`` (token mean).
+        ``(loss, metrics)``; metrics: ``kl_loss`` (token mean of the estimator's value).
     """
     kl = kl_penalty(log_prob, ref_log_prob, kl_type)
     metrics = {"kl_loss": masked_mean(kl, response_mask).detach()}
-    return reduce_loss(kl, response_mask, loss_agg_mode, per_token), metrics
+    return reduce_loss(kl, response_mask, loss_agg_mode, per_token, loss_scale_factor), metrics

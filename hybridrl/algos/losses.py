@@ -1,13 +1,11 @@
-"""Policy and value losses on masked ``(batch, response_len)`` tensors, the policy-loss registry, and
-:func:`agg_loss`, the three ways a per-token loss matrix becomes one number.
+"""Policy and value losses on masked ``(batch, response_len)`` tensors, and the policy-loss registry.
 
 Every loss returns ``(loss, metrics)``. With ``per_token=True`` ``loss`` is the ``(b, r)`` per-token matrix
-(zero on padding): the Megatron side aggregates it over the global batch with global denominators
-(:mod:`hybridrl.mcore.loss_scaling`, same formulas as here). With ``per_token=False`` it is
-``agg_loss(matrix, mask, loss_agg_mode)`` over this batch alone. Metrics are token means over this batch.
+(zero on padding): the training backend aggregates it over the whole mini-batch with global denominators
+(:mod:`hybridrl.mcore.loss_scaling`). With ``per_token=False`` it is ``agg_loss(matrix, mask, loss_agg_mode)``
+over this batch alone (:mod:`hybridrl.algos.aggregation`). Metrics are token means over this batch.
 
-All terms are returned unweighted; the actor minimises
-``policy_loss - entropy_coeff * entropy_bonus + kl_loss_coef * kl_loss`` (:func:`hybridrl.algos.kl.kl_loss`).
+All terms are returned unweighted; :mod:`hybridrl.algos.objectives` composes what the actor and critic minimise.
 """
 
 from __future__ import annotations
@@ -16,60 +14,27 @@ from collections.abc import Callable
 
 import torch
 
-from hybridrl.algos.masked import masked_mean, masked_sum
-
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-"""Loss aggregation modes; the same names and formulas as :mod:`hybridrl.mcore.loss_scaling`."""
+from hybridrl.algos.aggregation import agg_loss, get_mode
+from hybridrl.algos.masked import masked_mean
 
 LossOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 PolicyLossFn = Callable[..., LossOutput]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-"""Policy loss name -> ``fn(log_prob, old_log_prob, advantages, response_mask, **options)``."""
+"""Policy loss name -> ``fn(log_prob, old_log_prob, advantages, response_mask, **options)``, called with keywords.
+The built-in names match ``hybridrl.config.schema_roles.POLICY_LOSS_NAMES``."""
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Aggregate a per-token loss over this batch (sample ``i``, token ``t``, ``n_i = sum_t m_it``):
-
-        token-mean:           sum_i sum_t l_it m_it / sum_i n_i
-        seq-mean-token-sum:   sum_i sum_t l_it m_it / N_seq                  N_seq = #{i : n_i > 0}
-        seq-mean-token-mean:  sum_i (sum_t l_it m_it / n_i) / N_seq
-
-    "token-mean" weighs every token equally (DAPO, Yu et al. 2025, sec. 3.3); "seq-mean-token-mean" every
-    sequence (the GRPO paper's eq. 3); "seq-mean-token-sum" avoids the length normalisation (Dr. GRPO, whose
-    constant denominator, the generation budget, differs from N_seq only by a learning-rate scale).
-    Denominators are at least 1, so a batch without valid tokens gives 0.
-
-    Args:
-        loss_mat: ``(b, r)`` per-token loss.
-        mask: ``(b, r)`` response mask.
-        mode: one of ``AGG_MODES``.
-
-    Returns:
-        A scalar.
-    """
-    if mode not in AGG_MODES:
-        raise ValueError(f"loss_agg_mode ({mode!r}) must be one of {AGG_MODES}")
-    if loss_mat.shape != mask.shape:
-        raise ValueError(f"loss matrix of shape {tuple(loss_mat.shape)} does not match the mask's {tuple(mask.shape)}")
-    token_sums = masked_sum(loss_mat, mask, dim=-1)
-    lengths = mask.bool().sum(dim=-1)
-    if mode == "token-mean":
-        return token_sums.sum() / lengths.sum().clamp(min=1)
-    if mode == "seq-mean-token-mean":
-        token_sums = token_sums / lengths.clamp(min=1)
-    return token_sums.sum() / (lengths > 0).sum().clamp(min=1)
-
-
-def reduce_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, per_token: bool) -> torch.Tensor:
+def reduce_loss(
+    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, per_token: bool, loss_scale_factor: float | None = None
+) -> torch.Tensor:
     """The ``(b, r)`` loss matrix with padding zeroed (``per_token``), or its :func:`agg_loss` over this batch."""
-    if mode not in AGG_MODES:
-        raise ValueError(f"loss_agg_mode ({mode!r}) must be one of {AGG_MODES}")
+    get_mode(mode)
     loss_mat = torch.where(mask.bool(), loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
-    return loss_mat if per_token else agg_loss(loss_mat, mask, mode)
+    return loss_mat if per_token else agg_loss(loss_mat, mask, mode, loss_scale_factor)
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: register ``fn`` as policy loss ``name``."""
+    """Decorator: register ``fn`` as policy loss ``name`` (stack it to register one loss under several names)."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
@@ -87,6 +52,7 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     return POLICY_LOSSES[name]
 
 
+@register_policy_loss("vanilla")  # verl's name of the same loss (``policy_loss.loss_mode: vanilla``)
 @register_policy_loss("ppo_clip")
 def ppo_clip_loss(
     log_prob: torch.Tensor,
@@ -99,6 +65,7 @@ def ppo_clip_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     per_token: bool = False,
+    loss_scale_factor: float | None = None,
 ) -> LossOutput:
     """PPO's clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7) with
     asymmetric clip ratios (DAPO's clip-higher, Yu et al. 2025, sec. 3.1) and dual clip (Ye et al. 2020,
@@ -121,6 +88,7 @@ def ppo_clip_loss(
         clip_ratio_c: dual-clip constant, > 1.
         loss_agg_mode: one of ``AGG_MODES`` (ignored with ``per_token``).
         per_token: return the ``(b, r)`` loss matrix instead of its aggregate.
+        loss_scale_factor: ``C`` of "seq-mean-token-sum-norm" (see :func:`agg_loss`; ignored with ``per_token``).
 
     Returns:
         ``(loss, metrics)``; metrics: ``clipfrac`` (tokens where the clipped term was taken), ``clipfrac_lower``
@@ -141,7 +109,7 @@ def ppo_clip_loss(
         "clipfrac_lower": masked_mean(((clip_max > dual_bound) & negative).to(ratio.dtype), response_mask).detach(),
         "approx_kl": masked_mean(-log_ratio, response_mask).detach(),
     }
-    return reduce_loss(loss_mat, response_mask, loss_agg_mode, per_token), metrics
+    return reduce_loss(loss_mat, response_mask, loss_agg_mode, per_token, loss_scale_factor), metrics
 
 
 def value_loss(
@@ -153,6 +121,7 @@ def value_loss(
     cliprange_value: float = 0.5,
     loss_agg_mode: str = "token-mean",
     per_token: bool = False,
+    loss_scale_factor: float | None = None,
 ) -> LossOutput:
     """Clipped value loss of the critic (PPO2 in OpenAI Baselines; analysed in Engstrom et al. 2020,
     "Implementation Matters in Deep Policy Gradients", sec. 3):
@@ -168,6 +137,7 @@ def value_loss(
         cliprange_value: how far the value may move from ``old_values`` before the loss stops pulling it.
         loss_agg_mode: one of ``AGG_MODES`` (ignored with ``per_token``).
         per_token: return the ``(b, r)`` loss matrix instead of its aggregate.
+        loss_scale_factor: ``C`` of "seq-mean-token-sum-norm" (see :func:`agg_loss`; ignored with ``per_token``).
 
     Returns:
         ``(loss, metrics)``; metrics: ``vf_clipfrac`` (tokens where the clipped term was taken).
@@ -177,7 +147,7 @@ def value_loss(
     loss_clipped = (clipped_values - returns) ** 2
     loss_mat = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
     metrics = {"vf_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(values.dtype), response_mask).detach()}
-    return reduce_loss(loss_mat, response_mask, loss_agg_mode, per_token), metrics
+    return reduce_loss(loss_mat, response_mask, loss_agg_mode, per_token, loss_scale_factor), metrics
 
 
 def entropy_bonus(
@@ -186,6 +156,7 @@ def entropy_bonus(
     *,
     loss_agg_mode: str = "token-mean",
     per_token: bool = False,
+    loss_scale_factor: float | None = None,
 ) -> LossOutput:
     """The entropy of the policy, to be maximised (Williams & Peng 1991; Mnih et al. 2016, "Asynchronous
     Methods for Deep Reinforcement Learning", sec. 4): the actor loss subtracts ``entropy_coeff * H``.
@@ -195,9 +166,10 @@ def entropy_bonus(
         response_mask: ``(b, r)``.
         loss_agg_mode: one of ``AGG_MODES`` (ignored with ``per_token``).
         per_token: return the ``(b, r)`` matrix instead of its aggregate.
+        loss_scale_factor: ``C`` of "seq-mean-token-sum-norm" (see :func:`agg_loss`; ignored with ``per_token``).
 
     Returns:
         ``(H, metrics)``; metrics: ``entropy`` (token mean).
     """
     metrics = {"entropy": masked_mean(entropy, response_mask).detach()}
-    return reduce_loss(entropy, response_mask, loss_agg_mode, per_token), metrics
+    return reduce_loss(entropy, response_mask, loss_agg_mode, per_token, loss_scale_factor), metrics

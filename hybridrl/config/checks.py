@@ -30,11 +30,13 @@ from hybridrl.config.schema import (
     RunConfig,
 )
 from hybridrl.config.schema_roles import (
+    CUSTOM_POLICY_LOSS,
     KL_TYPES,
     LOAD_FORMATS,
     LOSS_AGG_MODES,
     LR_DECAY_STYLES,
     OPTIM_BACKENDS,
+    POLICY_LOSS_NAMES,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
     ROLLOUT_BACKENDS,
@@ -114,9 +116,13 @@ def fill_derived(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
         critic.enable = cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
     if ref.enable is None:
         ref.enable = actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs"):
+    for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "loss_agg_mode"):
         if getattr(critic, name) is None:
             setattr(critic, name, getattr(actor, name))
+    if actor.loss_scale_factor is None:
+        actor.loss_scale_factor = float(cfg.data.max_response_length)
+    if critic.loss_scale_factor is None:
+        critic.loss_scale_factor = actor.loss_scale_factor
     critic.model_path = critic.model_path or model.path
     if ref.log_prob_micro_batch_size_per_gpu is None:
         ref.log_prob_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
@@ -141,6 +147,8 @@ def _choices() -> Iterable[tuple[str, tuple]]:
     yield "rollout.weight_sync", WEIGHT_SYNCS
     yield from (("algorithm.kl_penalty", KL_TYPES), ("algorithm.kl_ctrl.type", KL_CTRL_TYPES))
     yield from (("actor.loss_agg_mode", LOSS_AGG_MODES), ("actor.kl_loss_type", KL_TYPES))
+    yield "critic.loss_agg_mode", LOSS_AGG_MODES
+    yield "actor.policy_loss.loss_mode", (*POLICY_LOSS_NAMES, CUSTOM_POLICY_LOSS)
     yield from (("data.truncation", TRUNCATIONS), ("trainer.resume_mode", RESUME_MODES))
     for role in ROLES:
         yield f"{role}.backend", TRAIN_BACKENDS
@@ -242,6 +250,16 @@ def check_policy_loss(cfg: RunConfig, world: int) -> None:
     for key in ("actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef", "critic.cliprange_value"):
         if _get(cfg, key) < 0:
             _fail(f"{key} ({_get(cfg, key)}) must be >= 0", key)
+    for key in ("actor.loss_scale_factor", "critic.loss_scale_factor"):
+        if _get(cfg, key) <= 0:
+            _fail(f"{key} ({_get(cfg, key)}) must be positive (the constant seq-mean-token-sum-norm divides by)", key)
+    p = a.policy_loss
+    if p.loss_mode == CUSTOM_POLICY_LOSS and p.path is None:
+        _fail("actor.policy_loss.loss_mode 'custom' needs actor.policy_loss.path (a .py file defining "
+              f"actor.policy_loss.name {p.name!r}); set it", "actor.policy_loss.path")  # fmt: skip
+    if p.loss_mode != CUSTOM_POLICY_LOSS and p.path is not None:
+        _fail(f"actor.policy_loss.path ({p.path!r}) is used with actor.policy_loss.loss_mode 'custom' only (got "
+              f"{p.loss_mode!r}); set actor.policy_loss.loss_mode=custom", "actor.policy_loss.path")  # fmt: skip
     ctrl = cfg.algorithm.kl_ctrl
     if ctrl.type == "adaptive" and (ctrl.target_kl <= 0 or ctrl.horizon < 1):
         key = "algorithm.kl_ctrl.target_kl" if ctrl.target_kl <= 0 else "algorithm.kl_ctrl.horizon"
@@ -459,27 +477,45 @@ def check_batch_sizes(cfg: RunConfig, world: int) -> None:
         )
     for role in ("actor", "critic") if cfg.critic.enable else ("actor",):
         c = getattr(cfg, role)
-        mini, micro = c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu
-        if total % mini:
-            _fail(f"{role}.ppo_mini_batch_size ({mini}) must divide {step}; change {role}.ppo_mini_batch_size",
-                  f"{role}.ppo_mini_batch_size")  # fmt: skip
-        if mini % (micro * dp):
+        mini, micro, key = c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu, f"{role}.ppo_mini_batch_size"
+        if mini > prompts:  # in prompts, as in verl: a value above the step's prompts can only be responses
+            old = mini // n if n > 1 and mini % n == 0 and prompts % (mini // n) == 0 else None
+            fix = f"read as responses that is {old} prompts: set {key}={old}" if old else f"lower {key}"
+            _fail(f"{key} ({mini}) counts prompts (as in verl: each update takes {key} * rollout.n responses) and "
+                  f"exceeds data.train_batch_size ({prompts}); {fix}", key)  # fmt: skip
+        if prompts % mini:
+            _fail(f"{key} ({mini}) must divide data.train_batch_size ({prompts}) (both count prompts); change {key}",
+                  key)  # fmt: skip
+        responses = mini * n
+        if responses % (micro * dp):
             _fail(
-                f"{role}.ppo_mini_batch_size ({mini}) must be divisible by {role}.ppo_micro_batch_size_per_gpu "
-                f"({micro}) * actor.megatron.dp_size ({dp}) = {micro * dp}; lower "
-                f"{role}.ppo_micro_batch_size_per_gpu or raise {role}.ppo_mini_batch_size",
-                f"{role}.ppo_mini_batch_size",
+                f"{key} ({mini}) * rollout.n ({n}) = {responses} responses must be divisible by "
+                f"{role}.ppo_micro_batch_size_per_gpu ({micro}) * actor.megatron.dp_size ({dp}) = {micro * dp}; lower "
+                f"{role}.ppo_micro_batch_size_per_gpu or raise {key}",
+                key,
             )
         m = cfg.actor.megatron
-        count = mini // (micro * dp)
+        count = responses // (micro * dp)
         if m.vpp_size > 1 and count % m.pp_size:  # Megatron's interleaved schedule (schedules.py, 0.16)
             _fail(
-                f"{role}: {count} micro-batches per update ({role}.ppo_mini_batch_size {mini} / "
+                f"{role}: {count} micro-batches per update ({responses} responses / "
                 f"({role}.ppo_micro_batch_size_per_gpu {micro} * dp {dp})) must be a multiple of "
                 f"actor.megatron.pp_size ({m.pp_size}) with vpp_size {m.vpp_size}; lower "
                 f"{role}.ppo_micro_batch_size_per_gpu",
                 f"{role}.ppo_micro_batch_size_per_gpu",
             )
+
+
+def update_schedule(cfg: RunConfig, role: str) -> str:
+    """One line on how ``role`` (actor / critic, of a filled-in config) updates per rollout: the optimizer steps
+    and the units of its batch sizes (mini-batches in prompts, micro-batches in responses)."""
+    c, prompts, n, dp = getattr(cfg, role), cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.megatron.dp_size
+    steps = prompts // c.ppo_mini_batch_size * c.ppo_epochs
+    responses = c.ppo_mini_batch_size * n
+    return (f"{role}: {steps} optimizer step{'s' * (steps != 1)} per rollout = data.train_batch_size {prompts} / "
+            f"{role}.ppo_mini_batch_size {c.ppo_mini_batch_size} (prompts) x ppo_epochs {c.ppo_epochs}; each step "
+            f"{responses} responses (x rollout.n {n}) in {responses // (c.ppo_micro_batch_size_per_gpu * dp)} "
+            f"micro-batches of {c.ppo_micro_batch_size_per_gpu} per DP rank")  # fmt: skip
 
 
 def check_algorithm_roles(cfg: RunConfig, world: int) -> None:

@@ -16,8 +16,14 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 LR_DECAY_STYLES = ("constant", "cosine", "linear")
 OPTIM_BACKENDS = ("auto", "torch", "megatron")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+"""Names of the loss aggregation modes (verl's); their formulas live in :mod:`hybridrl.algos.aggregation`."""
+_BASE_KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_TYPES = (*_BASE_KL_TYPES, *(f"{name}+" for name in _BASE_KL_TYPES))
+"""KL estimator names (verl's, aliases included); a trailing "+" = that estimator's value with k2's gradient."""
+POLICY_LOSS_NAMES = ("ppo_clip", "vanilla")
+"""Built-in policy losses of :data:`hybridrl.algos.losses.POLICY_LOSSES` ("vanilla" is verl's name of ppo_clip)."""
+CUSTOM_POLICY_LOSS = "custom"
 LOAD_FORMATS = ("dummy", "auto", "safetensors", "pt")
 WEIGHT_SYNCS = ("shards", "hf")
 
@@ -87,6 +93,21 @@ class OptimConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    """Which policy loss the actor minimises (verl's ``actor.policy_loss`` section)."""
+
+    loss_mode: str = "ppo_clip"
+    """A registered policy loss: "ppo_clip" (PPO's clipped surrogate with dual clip; "vanilla", verl's name for
+    it, is the same loss), or "custom" = the function ``name`` in the Python file ``path``."""
+    path: str | None = None
+    """Python file of a custom policy loss (loss_mode "custom"). None = built-in losses only."""
+    name: str = "compute_policy_loss"
+    """Function in path: ``fn(log_prob, old_log_prob, advantages, response_mask, **options) -> (loss, metrics)``,
+    called with keywords as the built-in losses are (see :func:`hybridrl.algos.losses.ppo_clip_loss`); with
+    ``per_token=True`` it returns the ``(batch, response)`` per-token loss, zero on padding."""
+
+
+@dataclass
 class ActorConfig:
     """The policy being trained (Megatron) and its PPO-style update."""
 
@@ -99,10 +120,11 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Actor optimizer."""
     ppo_mini_batch_size: int = 64
-    """Responses (prompts x rollout.n) per optimizer step, over all DP ranks; must divide
-    data.train_batch_size * rollout.n. verl counts prompts here: multiply a verl config's value by rollout.n."""
+    """PROMPTS per optimizer step, over all DP ranks, each with its rollout.n responses (verl's meaning: an update
+    sees ppo_mini_batch_size * rollout.n responses); must divide data.train_batch_size, which gives
+    data.train_batch_size / ppo_mini_batch_size optimizer steps per PPO epoch."""
     ppo_micro_batch_size_per_gpu: int = 4
-    """Responses per forward/backward micro-batch on one DP rank (gradient accumulation unit)."""
+    """RESPONSES per forward/backward micro-batch on one DP rank (gradient accumulation unit), as in verl."""
     ppo_epochs: int = 1
     """Passes over each step's rollout batch."""
     shuffle: bool = True
@@ -113,8 +135,15 @@ class ActorConfig:
     """PPO clip: ratio <= 1 + clip_ratio_high (> clip_ratio_low = DAPO's clip-higher)."""
     clip_ratio_c: float = 3.0
     """Dual-clip lower bound for negative advantages (Ye et al. 2020); must be > 1."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """The policy loss (registry entry or a custom file)."""
     loss_agg_mode: str = "token-mean"
-    """How token losses become one number: "token-mean", "seq-mean-token-sum", "seq-mean-token-mean"."""
+    """How the per-token losses of an update become one number, over the whole mini-batch (all DP ranks):
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm" (formulas:
+    :mod:`hybridrl.algos.aggregation`)."""
+    loss_scale_factor: float | None = None
+    """The constant "seq-mean-token-sum-norm" divides by (Dr. GRPO's generation budget). None =
+    data.max_response_length."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus (0 = off)."""
     use_kl_loss: bool = False
@@ -122,7 +151,8 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
-    """KL estimator of the loss: "kl"/"k1", "abs", "mse"/"k2", "low_var_kl"/"k3"."""
+    """KL estimator of the loss: "kl"/"k1", "abs", "mse"/"k2", "low_var_kl"/"k3"; with a trailing "+" (e.g.
+    "k3+") the loss has that estimator's value and k2's gradient (straight-through, as in verl)."""
     param_offload: bool = False
     """Offload actor weights to CPU while they are not needed (rollout phase)."""
     optimizer_offload: bool = False
@@ -234,13 +264,17 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Critic optimizer (a larger lr than the actor's is usual)."""
     ppo_mini_batch_size: int | None = None
-    """Responses per critic optimizer step. None = actor.ppo_mini_batch_size."""
+    """PROMPTS per critic optimizer step (x rollout.n responses), as for the actor. None = actor.ppo_mini_batch_size."""
     ppo_micro_batch_size_per_gpu: int | None = None
     """Responses per critic micro-batch on one DP rank. None = actor.ppo_micro_batch_size_per_gpu."""
     ppo_epochs: int | None = None
     """Critic passes over each rollout batch. None = actor.ppo_epochs."""
     cliprange_value: float = 0.5
     """Value clipping range around the old values."""
+    loss_agg_mode: str | None = None
+    """Aggregation of the value loss (actor.loss_agg_mode's names). None = actor.loss_agg_mode, as in verl."""
+    loss_scale_factor: float | None = None
+    """The constant of "seq-mean-token-sum-norm" for the value loss. None = actor.loss_scale_factor."""
     param_offload: bool = False
     """Offload critic weights to CPU while not in use."""
     optimizer_offload: bool = False

@@ -41,9 +41,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.utils import get_model_config
 
+from hybridrl.algos.aggregation import aggregate, check_mode
 from hybridrl.mcore import vocab_parallel
 from hybridrl.mcore.gpt import run_schedule
-from hybridrl.mcore.loss_scaling import AGG_MODES, aggregate, global_denominator, grad_reduce_mean_factor
+from hybridrl.mcore.loss_scaling import global_denominator, grad_reduce_mean_factor
 
 Batch = Mapping[str, torch.Tensor]
 REQUIRED_KEYS = ("input_ids", "attention_mask", "responses")
@@ -306,6 +307,7 @@ def forward_backward(
     *,
     head: TokenHead | None = None,
     loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
     response_mask_key: str = "response_mask",
     trim: bool = True,
 ) -> StepOutput:
@@ -313,7 +315,7 @@ def forward_backward(
 
     The loss of the GLOBAL batch ``B`` (all micro-batches of all DP ranks) is
     ``L = agg_{i in B}(loss_fn(head(model(x_i))), mask_i)`` with ``agg`` = ``loss_agg_mode`` (formulas in
-    :mod:`hybridrl.mcore.loss_scaling`); gradients accumulated in the parameters are ``dL/dtheta`` summed
+    :mod:`hybridrl.algos.aggregation`); gradients accumulated in the parameters are ``dL/dtheta`` summed
     over micro-batches, and become the gradient of ``L`` once summed over DP ranks (the optimizer does that;
     under Megatron's DDP, which averages, the loss is pre-multiplied by the DP size).
 
@@ -328,15 +330,15 @@ def forward_backward(
         micro_batch_size: samples per micro-batch; must divide ``b``.
         forward_only: no backward (e.g. a validation loss).
         head: :class:`LogProbHead` (default), :class:`ValuesHead` or any :class:`TokenHead`.
-        loss_agg_mode: one of ``AGG_MODES``.
+        loss_agg_mode: one of ``hybridrl.algos.aggregation.AGG_MODES``.
+        loss_scale_factor: the constant "seq-mean-token-sum-norm" divides by (e.g. the maximum response length).
         response_mask_key: the batch key of the response mask.
         trim: drop the batch's trailing padding columns before the model (:func:`trim_padding`).
 
     Returns:
         :class:`StepOutput` with the global loss and metrics on every rank.
     """
-    if loss_agg_mode not in AGG_MODES:
-        raise ValueError(f"loss_agg_mode ({loss_agg_mode!r}) must be one of {AGG_MODES}")
+    check_mode(loss_agg_mode, loss_scale_factor)  # on every rank, before any collective
     _check_supported(chunks)
     head = head or LogProbHead()
     prepared = prepare_batch(batch)
@@ -347,7 +349,8 @@ def forward_backward(
     micro_batches = micro_batches_trimmed(chunks, prepared, micro_batch_size, trim)
     last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
     dp_group = mpu.get_data_parallel_group()
-    denominator = global_denominator(prepared[response_mask_key], loss_agg_mode, dp_group) if last_stage else None
+    mask = prepared[response_mask_key]
+    denominator = global_denominator(mask, loss_agg_mode, dp_group, loss_scale_factor) if last_stage else None
     scale = len(micro_batches) * grad_reduce_mean_factor(chunks)
     contributions: list[torch.Tensor] = []
 

@@ -1,16 +1,12 @@
 """Loss aggregation over the GLOBAL batch, and the scaling that makes gradients independent of the split.
 
-A step's loss is one aggregate over the global batch ``B`` (every micro-batch of every data-parallel
-rank) of a per-token loss ``l_it`` (sample ``i``, response token ``t``, mask ``m_it``, ``n_i = sum_t m_it``):
-
-    token-mean:           L = sum_i sum_t l_it m_it / N_tok,      N_tok = sum_{i in B} n_i
-    seq-mean-token-sum:   L = sum_i sum_t l_it m_it / N_seq,      N_seq = #{i in B : n_i > 0}
-    seq-mean-token-mean:  L = sum_i (sum_t l_it m_it / n_i) / N_seq
-
-Every mode is a SUM over samples divided by a global denominator, so it splits exactly: each micro-batch
-contributes ``aggregate(l, m) = its part of the sum / global denominator`` and the contributions add up to
-``L`` whatever the micro-batch size or DP size. The denominators are counted on the local batch and
-all-reduced over DP before the schedule runs (:func:`global_denominator`).
+A step's loss is one aggregate ``L`` over the global batch ``B`` (every micro-batch of every data-parallel
+rank) of a per-token loss, with one of the modes of :mod:`hybridrl.algos.aggregation` (formulas there). Every
+mode is a SUM over samples divided by a denominator counted over ``B`` (tokens, non-empty samples, or
+nothing), times a constant, so it splits exactly: each micro-batch contributes
+``aggregation.aggregate(l, m, mode, denominator)`` and the contributions add up to ``L`` whatever the
+micro-batch size or DP size. The counts are taken on the local batch and all-reduced over DP before the
+schedule runs (:func:`global_denominator`).
 
 Megatron's schedule divides a ``(loss, metrics)`` loss by ``num_microbatches`` before backward
 (``forward_step_calc_loss`` in megatron-core 0.16; a 3-tuple ``(loss, num_tokens, metrics)`` would instead
@@ -29,61 +25,22 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+from hybridrl.algos import aggregation
 
 
-def _check_mode(mode: str) -> None:
-    if mode not in AGG_MODES:
-        raise ValueError(f"loss_agg_mode ({mode!r}) must be one of {AGG_MODES}")
+def global_denominator(
+    mask: torch.Tensor, mode: str, group: dist.ProcessGroup | None = None, loss_scale_factor: float | None = None
+) -> torch.Tensor:
+    """The denominator of ``mode`` over the global batch: the local count (tokens or non-empty samples of the
+    ``(b, r)`` ``mask``) summed over ``group``, at least 1, times ``loss_scale_factor`` where the mode divides by
+    it (:func:`hybridrl.algos.aggregation.denominator`).
 
-
-def local_denominator(mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """This rank's share of the denominator: valid tokens (token-mean) or non-empty samples. fp64 scalar.
-
-    Args:
-        mask: ``(b, r)`` response mask (nonzero = valid token).
+    One all-reduce (none when the group has one rank or the mode counts nothing). Returns a fp64 scalar.
     """
-    _check_mode(mode)
-    valid = mask.bool()
-    if mode == "token-mean":
-        return valid.sum().to(torch.float64)
-    return valid.any(dim=1).sum().to(torch.float64)
-
-
-def global_denominator(mask: torch.Tensor, mode: str, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The denominator of ``mode`` over the global batch: :func:`local_denominator` summed over ``group``.
-
-    One all-reduce (none when the group has one rank). Returns a fp64 scalar, at least 1 so that a batch
-    without any valid token gives a zero loss rather than NaN.
-    """
-    value = local_denominator(mask, mode).reshape(1)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(value, group=group)
-    return value[0].clamp(min=1.0)
-
-
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, denominator: torch.Tensor) -> torch.Tensor:
-    """This micro-batch's contribution to the global loss of ``mode`` (formulas in the module docs).
-
-    Args:
-        per_token: ``(mb, r)`` per-token loss.
-        mask: ``(mb, r)`` response mask.
-        mode: one of ``AGG_MODES``.
-        denominator: the global denominator from :func:`global_denominator`.
-
-    Returns:
-        A scalar (dtype of ``per_token``): the contributions of all micro-batches on all DP ranks sum to ``L``.
-    """
-    _check_mode(mode)
-    if per_token.shape != mask.shape:
-        raise ValueError(
-            f"loss_fn returned per-token loss of shape {tuple(per_token.shape)}; expected {tuple(mask.shape)}"
-        )
-    m = mask.to(per_token.dtype)
-    token_sums = (per_token * m).sum(dim=1)
-    if mode == "seq-mean-token-mean":
-        token_sums = token_sums / m.sum(dim=1).clamp(min=1.0)
-    return token_sums.sum() / denominator.to(per_token.dtype)
+    count = aggregation.local_count(mask, mode).reshape(1)
+    if aggregation.get_mode(mode).counts and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(count, group=group)
+    return aggregation.denominator(count[0], mode, loss_scale_factor)
 
 
 def grad_reduce_mean_factor(chunks: list[torch.nn.Module]) -> int:

@@ -5,7 +5,9 @@
 
 PPO (critic + GAE) and GRPO (no critic) differ only in config: ``algorithm.adv_estimator`` picks the
 estimator from :mod:`hybridrl.algos.advantages`, and the critic / reference workers exist when the config
-enables them. Every process runs this loop (SPMD); rank 0 writes metrics.
+enables them. An estimator that declares an input the rollout batch lacks (ReMax's ``reward_baselines``) gets
+it from the loop's providers (:meth:`RLTrainer._provide_estimator_inputs`), whatever the estimator is called.
+Every process runs this loop (SPMD); rank 0 writes metrics.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridrl.algos.advantages import compute_advantages
+from hybridrl.algos.advantages import compute_advantages, required_inputs
 from hybridrl.algos.kl import apply_kl_penalty, make_kl_controller
 from hybridrl.config import RunConfig
 from hybridrl.data.loader import PromptLoader
@@ -104,13 +106,22 @@ class RLTrainer:
             metrics["reward/rm_score_mean"] = float(rm.mean())
         return scores, metrics
 
-    def _remax_baselines(self, prompts: DataProto, n: int) -> torch.Tensor:
-        """ReMax (Li et al. 2023, Alg. 1): the baseline of every sample is the score of the greedy response to its
-        prompt; one greedy generation per prompt, scored like the samples, repeated over the prompt's n samples
-        (which generate_sequences lays out adjacent)."""
+    def _greedy_baselines(self, prompts: DataProto, n: int) -> torch.Tensor:
+        """``reward_baselines`` ``(b,)``: the score of the greedy response to each sample's prompt (ReMax's
+        baseline, Li et al. 2023, Alg. 1); one greedy generation per prompt, scored like the samples, repeated over
+        the prompt's n samples (which generate_sequences lays out adjacent)."""
         greedy, _ = self._rollout(prompts, n=1, temperature=0.0)
         scores, _ = self._score(greedy)
         return scores.sum(1).repeat_interleave(n)
+
+    def _provide_estimator_inputs(self, prompts: DataProto, batch: DataProto, timer: StageTimer) -> None:
+        """Add to ``batch`` each input the advantage estimator declares (its parameters, see
+        :func:`~hybridrl.algos.advantages.required_inputs`) that only the loop can make, timed under its name."""
+        providers = {"reward_baselines": self._greedy_baselines}
+        for name in required_inputs(self.cfg.algorithm.adv_estimator):
+            if name in providers and name not in batch.batch:
+                with timer(name):
+                    batch.batch[name] = providers[name](prompts, len(batch) // len(prompts))
 
     def _advantages(self, batch: DataProto) -> dict[str, float]:
         a, mask = self.cfg.algorithm, batch.batch["response_mask"]
@@ -147,9 +158,7 @@ class RLTrainer:
         metrics.update(switch)
         with timer("reward"):
             batch.batch["token_level_scores"], reward_m = self._score(batch)
-        if self.cfg.algorithm.adv_estimator == "remax":
-            with timer("remax_baseline"):
-                batch.batch["reward_baselines"] = self._remax_baselines(prompts, len(batch) // len(prompts))
+        self._provide_estimator_inputs(prompts, batch, timer)
         with timer("old_log_prob"):
             batch = batch.union(self.actor.compute_log_prob(batch))
         if self.ref is not None:

@@ -5,8 +5,9 @@ exposes registered methods; :class:`~hybridrl.workers.group.WorkerGroup` splits 
 data-parallel ranks and gathers the results (see :mod:`hybridrl.workers.dispatch`).
 
 - :class:`ActorRolloutWorker`: ``generate_sequences`` (hybrid engine switch + vLLM), ``compute_log_prob``,
-  ``update_actor`` (PPO clip + entropy + optional KL loss, mini-batches x epochs);
-- :class:`CriticWorker`: ``compute_values``, ``update_critic`` (clipped value loss);
+  ``update_actor`` (:class:`~hybridrl.algos.objectives.ActorLoss`: the registry's policy loss + entropy +
+  optional KL loss, mini-batches x epochs);
+- :class:`CriticWorker`: ``compute_values``, ``update_critic`` (:class:`~hybridrl.algos.objectives.CriticLoss`);
 - :class:`ReferenceWorker`: ``compute_ref_log_prob``;
 - :class:`RewardModelWorker`: ``compute_rm_score`` (score at the last response token).
 """
@@ -14,31 +15,29 @@ data-parallel ranks and gathers the results (see :mod:`hybridrl.workers.dispatch
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from hybridrl.algos.kl import kl_penalty
-from hybridrl.algos.losses import entropy_bonus, ppo_clip_loss, value_loss
+from hybridrl.algos.objectives import ActorLoss, CriticLoss
 from hybridrl.config import RunConfig
+from hybridrl.config.checks import update_schedule
 from hybridrl.mcore import compute, roles
 from hybridrl.mcore.optimizer import OptimConfig, build_optimizer, move_model_weights, move_optimizer_state
 from hybridrl.mcore.parallel_state import data_parallel_info, rollout_replica_info
 from hybridrl.protocol import DataProto
 from hybridrl.workers.dispatch import Dispatch, register
 
-_TEST_NAN_LOSS = os.environ.get("HYBRIDRL_TEST_NAN_LOSS") == "1"
 COMPUTE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
 
 def optimizer_steps(cfg: RunConfig, role: Any) -> int:
     """Optimizer updates of ``role`` (actor / critic section) over the run: every trainer step makes
-    (train_batch_size * rollout.n / ppo_mini_batch_size) mini-batch updates per PPO epoch. The LR schedule
-    advances once per update, so its length (and a warmup ratio) is counted in these."""
-    per_step = cfg.data.train_batch_size * cfg.rollout.n // role.ppo_mini_batch_size * role.ppo_epochs
+    (data.train_batch_size / ppo_mini_batch_size) mini-batch updates per PPO epoch, both counted in prompts. The
+    LR schedule advances once per update, so its length (and a warmup ratio) is counted in these."""
+    per_step = cfg.data.train_batch_size // role.ppo_mini_batch_size * role.ppo_epochs
     return cfg.trainer.total_steps * max(per_step, 1)
 
 
@@ -112,6 +111,7 @@ class _TrainedRole:
     def _train(
         self, data: DataProto, mini_batch: int, epochs: int, seed: int, step_fn, shuffle: bool = True
     ) -> dict[str, float]:
+        """``epochs`` passes over ``data`` in mini-batches of ``mini_batch`` responses (all DP ranks together)."""
         local = mini_batch // self.dp_size
         results = []
         for mini in data.make_iterator(local, epochs=epochs, shuffle=shuffle, seed=seed):
@@ -131,6 +131,7 @@ class ActorRolloutWorker(_TrainedRole):
         from hybridrl.rollout import VLLMRolloutEngine
 
         self.cfg = cfg
+        self.objective = ActorLoss(cfg.actor)  # a custom policy loss file is imported here, before any model
         dtype = getattr(torch, cfg.model.dtype)
         m = cfg.actor.megatron
         self.model = roles.build_actor(model_path, dtype=dtype, **model_options(m, "actor.megatron"))
@@ -138,6 +139,7 @@ class ActorRolloutWorker(_TrainedRole):
             self.model.chunks, optim_config(cfg.actor.optim, optimizer_steps(cfg, cfg.actor), m)
         )
         self._setup_dp()
+        _announce(update_schedule(cfg, "actor"))
         r = cfg.rollout
         self.rollout_dp_size, self.rollout_dp_rank, self.rollout_dp_group = rollout_replica_info(r.tp_size)
         # "shards": plan the switch for the engine's own TP and write each rank's shard into vLLM's
@@ -246,34 +248,17 @@ class ActorRolloutWorker(_TrainedRole):
         head = compute.LogProbHead(
             temperature=self.cfg.rollout.temperature or 1.0, with_entropy=True, vocab_size=self.model.shape.vocab_size
         )
-
-        def loss_fn(outputs: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]):
-            mask = mb["response_mask"]
-            pg, m = ppo_clip_loss(
-                outputs["log_probs"], mb["old_log_probs"], mb["advantages"], mask, clip_ratio_low=a.clip_ratio_low,
-                clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c, per_token=True,
-            )  # fmt: skip
-            ent, em = entropy_bonus(outputs["entropy"], mask, per_token=True)
-            loss = pg - a.entropy_coeff * ent
-            if _TEST_NAN_LOSS:  # test hook: a poisoned loss must be skipped, counted and finally stop the run
-                loss = loss * float("nan")
-            metrics = {**m, **em}
-            if a.use_kl_loss:
-                kl = kl_penalty(outputs["log_probs"], mb["ref_log_probs"], a.kl_loss_type) * mask
-                loss = loss + a.kl_loss_coef * kl
-                metrics["kl_loss"] = (kl.sum() / mask.sum().clamp(min=1)).detach()
-            return loss, metrics
-
-        keys = (*COMPUTE_KEYS, "old_log_probs", "advantages", *(("ref_log_probs",) if a.use_kl_loss else ()))
+        keys = (*COMPUTE_KEYS, *self.objective.inputs)
 
         def step(mini: DataProto):
             # the optimizer's chunks: DDP-wrapped on the Megatron path (its grad sync, DP loss scaling)
             return compute.forward_backward(
-                self.optimizer.chunks, _tensors(mini, keys), loss_fn, a.ppo_micro_batch_size_per_gpu, head=head,
-                loss_agg_mode=a.loss_agg_mode,
+                self.optimizer.chunks, _tensors(mini, keys), self.objective, a.ppo_micro_batch_size_per_gpu, head=head,
+                loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor,
             )  # fmt: skip
 
-        metrics = self._train(data.select(keys), a.ppo_mini_batch_size, a.ppo_epochs, self.version, step, a.shuffle)
+        responses = a.ppo_mini_batch_size * self.cfg.rollout.n
+        metrics = self._train(data.select(keys), responses, a.ppo_epochs, self.version, step, a.shuffle)
         metrics["param_norm"] = _param_norm(self.model.parameters())
         self.version += 1
         return DataProto(meta_info={"metrics": {f"actor/{k}": v for k, v in metrics.items()}})
@@ -290,8 +275,10 @@ class CriticWorker(_TrainedRole):
         self.optimizer = build_optimizer(
             self.model.chunks, optim_config(cfg.critic.optim, optimizer_steps(cfg, cfg.critic), m)
         )
+        self.objective = CriticLoss(cfg.critic)
         self._setup_dp()
         self.version = 0
+        _announce(update_schedule(cfg, "critic"))
 
     def _bring_back(self) -> None:
         """critic.param_offload / optimizer_offload: the critic sleeps in host memory between its updates."""
@@ -327,27 +314,20 @@ class CriticWorker(_TrainedRole):
 
     @register(Dispatch.DP_COMPUTE)
     def update_critic(self, data: DataProto) -> DataProto:
+        """Value-loss epochs over mini-batches; returns the mean metrics (``critic/...``) in ``meta_info``."""
         c = self.cfg.critic
-
-        def loss_fn(outputs: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]):
-            return value_loss(
-                outputs["values"], mb["values"], mb["returns"], mb["response_mask"], cliprange_value=c.cliprange_value,
-                per_token=True,
-            )  # fmt: skip
-
-        keys = (*COMPUTE_KEYS, "values", "returns")
+        keys = (*COMPUTE_KEYS, *self.objective.inputs)
 
         def step(mini: DataProto):
             # the optimizer's chunks: DDP-wrapped on the Megatron path (its grad sync, DP loss scaling)
             return compute.forward_backward(
-                self.optimizer.chunks, _tensors(mini, keys), loss_fn, c.ppo_micro_batch_size_per_gpu,
-                head=compute.ValuesHead(), loss_agg_mode=self.cfg.actor.loss_agg_mode,
+                self.optimizer.chunks, _tensors(mini, keys), self.objective, c.ppo_micro_batch_size_per_gpu,
+                head=compute.ValuesHead(), loss_agg_mode=c.loss_agg_mode, loss_scale_factor=c.loss_scale_factor,
             )  # fmt: skip
 
         self._bring_back()
-        metrics = self._train(
-            data.select(keys), c.ppo_mini_batch_size, c.ppo_epochs, self.version, step, self.cfg.actor.shuffle
-        )
+        responses = c.ppo_mini_batch_size * self.cfg.rollout.n
+        metrics = self._train(data.select(keys), responses, c.ppo_epochs, self.version, step, self.cfg.actor.shuffle)
         self.version += 1
         self._park()
         return DataProto(meta_info={"metrics": {f"critic/{k}": v for k, v in metrics.items()}})
@@ -425,6 +405,11 @@ class RewardModelWorker:
 def _param_norm(params) -> float:
     """L2 norm of this rank's parameter shards (a cheap fingerprint that the weights changed)."""
     return float(torch.stack([p.detach().float().norm() for p in params]).norm())
+
+
+def _announce(line: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"[hybridrl] {line}", flush=True)
 
 
 def _is_number(value: Any) -> bool:

@@ -26,11 +26,13 @@ SETTINGS = settings(max_examples=40, deadline=None)
 LOGPS = st.floats(-30.0, 0.0)
 
 
-def test_names_match_config():
-    assert set(KL_ESTIMATORS) == set(KL_TYPES)
-    assert KL_ESTIMATORS["kl"] is KL_ESTIMATORS["k1"]
-    assert KL_ESTIMATORS["mse"] is KL_ESTIMATORS["k2"]
-    assert KL_ESTIMATORS["low_var_kl"] is KL_ESTIMATORS["k3"]
+VERL_NAMES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # verl's config docs: kl_loss_type / kl_penalty
+
+
+def test_names_match_config_and_verl():
+    assert set(KL_ESTIMATORS) == set(KL_TYPES) == {*VERL_NAMES, *(f"{n}+" for n in VERL_NAMES)}
+    for a, b in (("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3"), ("kl+", "k1+"), ("low_var_kl+", "k3+")):
+        assert KL_ESTIMATORS[a] is KL_ESTIMATORS[b]
 
 
 def test_unknown_and_full_are_one_line_errors():
@@ -57,6 +59,50 @@ def test_estimators_nonnegative_and_zero_when_equal(logp, ref):
         assert float(kl_penalty(a, b, name)) >= 0.0
     for name in KL_ESTIMATORS:
         assert float(kl_penalty(a, a, name)) == 0.0
+
+
+def _verl_forward(logp: torch.Tensor, ref: torch.Tensor, name: str) -> torch.Tensor:
+    """The estimators as verl's docs and Schulman (2020) define them (k3: x = ref - logp clamped to [-20, 20],
+    the result clamped to [-10, 10])."""
+    base = name.rstrip("+")
+    if base in ("kl", "k1"):
+        return logp - ref
+    if base == "abs":
+        return (logp - ref).abs()
+    if base in ("mse", "k2"):
+        return 0.5 * (logp - ref) ** 2
+    x = (ref - logp).clamp(-20, 20)
+    return (x.exp() - x - 1).clamp(-10, 10)
+
+
+@pytest.mark.parametrize("name", VERL_NAMES)
+def test_straight_through_has_the_base_value_and_k2s_gradient(name):
+    """verl: a trailing '+' keeps the estimator's value and takes k2's gradient, d/dlogp 0.5 (logp - ref)^2."""
+    g = torch.Generator().manual_seed(3)
+    logp = (torch.randn(64, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    ref = torch.randn(64, generator=g, dtype=torch.float64) * 3
+    plus = kl_penalty(logp, ref, f"{name}+")
+    torch.testing.assert_close(plus, _verl_forward(logp, ref, name).detach(), rtol=0, atol=1e-12)
+    plus.sum().backward()
+    torch.testing.assert_close(logp.grad, (logp - ref).detach())
+    logp.grad = None
+    kl_penalty(logp, ref, name).sum().backward()  # the plain estimator keeps its own gradient
+    if name not in ("mse", "k2"):
+        assert not torch.allclose(logp.grad, (logp - ref).detach())
+
+
+def test_estimators_match_verls_formulas_k3_clamped_at_zero_not_minus_ten():
+    """Equal to verl's definitions; k3 differs only where rounding makes exp(x) - x - 1 negative (|x| tiny):
+    verl keeps the few-ulp negative value, here it is 0."""
+    g = torch.Generator().manual_seed(4)
+    for dtype, band in ((torch.float64, 1e-15), (torch.float32, 1e-7)):
+        logp = torch.cat([torch.randn(4000, generator=g) * 10, torch.randn(4000, generator=g) * 1e-4]).to(dtype)
+        ref = torch.cat([torch.randn(4000, generator=g) * 10, torch.zeros(4000)]).to(dtype)
+        for name in VERL_NAMES:
+            ours, verl = kl_penalty(logp, ref, name), _verl_forward(logp, ref, name)
+            assert (ours - verl).abs().max() <= band, (name, dtype)
+            if name in ("k3", "low_var_kl"):
+                assert (ours == verl)[verl >= 0].all() and (ours[verl < 0] == 0).all()
 
 
 def test_k1_and_k3_are_unbiased_estimates_of_the_exact_kl():

@@ -1,67 +1,23 @@
-"""Policy/value losses and loss aggregation: hand-computed cases, clipping properties, names vs. config and mcore."""
+"""Policy/value losses: hand-computed cases, clipping properties, the policy-loss registry and its config names."""
 
 from __future__ import annotations
-
-import ast
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridrl.algos.aggregation import agg_loss
 from hybridrl.algos.losses import (
-    AGG_MODES,
     POLICY_LOSSES,
-    agg_loss,
     entropy_bonus,
     get_policy_loss,
     ppo_clip_loss,
     value_loss,
 )
-from hybridrl.config.schema_roles import LOSS_AGG_MODES
+from hybridrl.config.schema_roles import POLICY_LOSS_NAMES
 
 SETTINGS = settings(max_examples=30, deadline=None)
-LOSS_SCALING = Path(__file__).resolve().parents[2] / "hybridrl" / "mcore" / "loss_scaling.py"
-
-
-def _module_constant(path: Path, name: str):
-    """A literal module-level constant, read without importing the module (megatron imports take seconds)."""
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise AssertionError(f"{name} not found in {path}")
-
-
-# --- aggregation ---------------------------------------------------------------------------------------
-
-LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0], [5.0, 5.0, 5.0]])
-MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # the last row is empty
-
-
-@pytest.mark.parametrize(
-    ("mode", "expected"),
-    [
-        ("token-mean", (6 + 4) / 4),
-        ("seq-mean-token-sum", (6 + 4) / 2),
-        ("seq-mean-token-mean", (6 / 3 + 4 / 1) / 2),
-    ],
-)
-def test_agg_loss_hand_computed(mode, expected):
-    assert float(agg_loss(LOSS, MASK, mode)) == pytest.approx(expected)
-    assert float(agg_loss(LOSS, torch.zeros_like(MASK), mode)) == 0.0  # no valid token: 0, not NaN
-
-
-def test_agg_modes_match_mcore_and_config():
-    assert _module_constant(LOSS_SCALING, "AGG_MODES") == AGG_MODES
-    assert set(AGG_MODES) <= set(LOSS_AGG_MODES)
-
-
-def test_agg_loss_errors():
-    with pytest.raises(ValueError, match="loss_agg_mode"):
-        agg_loss(LOSS, MASK, "mean")
-    with pytest.raises(ValueError, match="does not match"):
-        agg_loss(LOSS, MASK[:, :2], "token-mean")
 
 
 @given(st.integers(1, 5), st.integers(1, 6), st.integers(0, 2**31 - 1))
@@ -72,6 +28,8 @@ def test_agg_modes_agree_when_lengths_are_equal(b, r, seed):
     token_mean = agg_loss(loss, mask, "token-mean")
     torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-mean"), token_mean)
     torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-sum"), token_mean * r)
+    torch.testing.assert_close(agg_loss(loss, mask, "token-sum"), token_mean * r * b)
+    torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-sum-norm"), token_mean)  # C = r here
 
 
 # --- PPO clip ------------------------------------------------------------------------------------------
@@ -79,6 +37,8 @@ def test_agg_modes_agree_when_lengths_are_equal(b, r, seed):
 
 def test_policy_loss_registry():
     assert get_policy_loss("ppo_clip") is ppo_clip_loss
+    assert get_policy_loss("vanilla") is ppo_clip_loss  # verl's name (policy_loss.loss_mode: vanilla)
+    assert set(POLICY_LOSSES) == set(POLICY_LOSS_NAMES)  # the config's choices are the registry's entries
     with pytest.raises(ValueError, match="policy loss") as err:
         get_policy_loss("ppo")
     assert "\n" not in str(err.value) and all(name in str(err.value) for name in POLICY_LOSSES)

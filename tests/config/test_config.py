@@ -299,27 +299,46 @@ CASES = [
           "actor.ppo_micro_batch_size_per_gpu=1"],
      "data.train_batch_size (4) must be divisible by the rollout replicas "
      "(world_size 8 / rollout.tp_size 1 = 8); change data.train_batch_size"),
-    (P7, ["rollout.tp_size=1", "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=8",
+    (P7, ["rollout.tp_size=1", "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=4",
           "actor.ppo_micro_batch_size_per_gpu=1"],  # 8 responses would split, but prompts go to the engines
      "data.train_batch_size (4) must be divisible by the rollout replicas "
      "(world_size 8 / rollout.tp_size 1 = 8); change data.train_batch_size"),
-    (P7, ["actor.ppo_mini_batch_size=48"],
-     "actor.ppo_mini_batch_size (48) must divide data.train_batch_size (256) * rollout.n (1) = 256 responses; "
-     "change actor.ppo_mini_batch_size"),
-    (P7, ["actor.ppo_micro_batch_size_per_gpu=32"], "actor.ppo_mini_batch_size (64) must be divisible by "
-     "actor.ppo_micro_batch_size_per_gpu (32) * actor.megatron.dp_size (4) = 128; lower "
+    (P7, ["actor.ppo_mini_batch_size=48"], "actor.ppo_mini_batch_size (48) must divide data.train_batch_size (256) "
+     "(both count prompts); change actor.ppo_mini_batch_size"),
+    # a value in responses (hybridrl's old meaning) that can only be that: refused, with the value in prompts
+    (G7, ["actor.ppo_mini_batch_size=256"], "actor.ppo_mini_batch_size (256) counts prompts (as in verl: each "
+     "update takes actor.ppo_mini_batch_size * rollout.n responses) and exceeds data.train_batch_size (128); read as "
+     "responses that is 32 prompts: set actor.ppo_mini_batch_size=32"),
+    (P7, ["critic.ppo_mini_batch_size=512"], "critic.ppo_mini_batch_size (512) counts prompts (as in verl: each "
+     "update takes critic.ppo_mini_batch_size * rollout.n responses) and exceeds data.train_batch_size (256); lower "
+     "critic.ppo_mini_batch_size"),
+    (P7, ["actor.ppo_micro_batch_size_per_gpu=32"], "actor.ppo_mini_batch_size (64) * rollout.n (1) = 64 responses "
+     "must be divisible by actor.ppo_micro_batch_size_per_gpu (32) * actor.megatron.dp_size (4) = 128; lower "
      "actor.ppo_micro_batch_size_per_gpu or raise actor.ppo_mini_batch_size"),
-    (P7, ["critic.ppo_micro_batch_size_per_gpu=32"], "critic.ppo_mini_batch_size (64) must be divisible by "
-     "critic.ppo_micro_batch_size_per_gpu (32) * actor.megatron.dp_size (4) = 128; lower "
+    (G7, ["actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size_per_gpu=4"], "actor.ppo_mini_batch_size (1) * "
+     "rollout.n (8) = 8 responses must be divisible by actor.ppo_micro_batch_size_per_gpu (4) * actor.megatron.dp_size "
+     "(4) = 16; lower actor.ppo_micro_batch_size_per_gpu or raise actor.ppo_mini_batch_size"),
+    (P7, ["critic.ppo_micro_batch_size_per_gpu=32"], "critic.ppo_mini_batch_size (64) * rollout.n (1) = 64 responses "
+     "must be divisible by critic.ppo_micro_batch_size_per_gpu (32) * actor.megatron.dp_size (4) = 128; lower "
      "critic.ppo_micro_batch_size_per_gpu or raise critic.ppo_mini_batch_size"),
     (TINY, ["actor.megatron.pp_size=2", "actor.megatron.vpp_size=2", "model.architecture.num_hidden_layers=4",
             "trainer.n_gpus_per_node=4", "actor.ppo_micro_batch_size_per_gpu=4"],
-     "actor: 1 micro-batches per update (actor.ppo_mini_batch_size 4 / (actor.ppo_micro_batch_size_per_gpu 4 * dp 1)) "
-     "must be a multiple of actor.megatron.pp_size (2) with vpp_size 2; lower actor.ppo_micro_batch_size_per_gpu"),
+     "actor: 1 micro-batches per update (4 responses / (actor.ppo_micro_batch_size_per_gpu 4 * dp 1)) must be a "
+     "multiple of actor.megatron.pp_size (2) with vpp_size 2; lower actor.ppo_micro_batch_size_per_gpu"),
     # policy loss, KL, advantages
     (TINY, ["actor.clip_ratio_low=0"], "actor.clip_ratio_low (0.0) must be in (0.0, 1.0)"),
     (TINY, ["actor.clip_ratio_high=-0.1"], "actor.clip_ratio_high (-0.1) must be positive"),
     (TINY, ["actor.clip_ratio_c=1.0"], "actor.clip_ratio_c (1.0) must be > 1 (dual-clip bound), e.g. 3.0"),
+    (TINY, ["actor.policy_loss.loss_mode=gspo"], "actor.policy_loss.loss_mode ('gspo') must be one of 'ppo_clip', "
+     "'vanilla', 'custom'"),
+    (TINY, ["actor.policy_loss.loss_mode=custom"], "actor.policy_loss.loss_mode 'custom' needs actor.policy_loss.path "
+     "(a .py file defining actor.policy_loss.name 'compute_policy_loss'); set it"),
+    (TINY, ["actor.policy_loss.path=my_loss.py"], "actor.policy_loss.path ('my_loss.py') is used with "
+     "actor.policy_loss.loss_mode 'custom' only (got 'ppo_clip'); set actor.policy_loss.loss_mode=custom"),
+    (TINY, ["critic.loss_agg_mode=seq-mean"], "critic.loss_agg_mode ('seq-mean') must be one of 'token-mean', "
+     "'token-sum', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm'; did you mean 'token-mean'?"),
+    (TINY, ["actor.loss_scale_factor=0"], "actor.loss_scale_factor (0.0) must be positive (the constant "
+     "seq-mean-token-sum-norm divides by)"),
     (TINY, ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0"],
      "algorithm.kl_ctrl.target_kl (0.0) must be positive for algorithm.kl_ctrl.type 'adaptive'"),
     (TINY, ["algorithm.gamma=1.5"], "algorithm.gamma (1.5) must be in [0.0, 1.0]"),
@@ -413,6 +432,25 @@ def test_every_check_has_a_failing_case():
                 caught.add(check.__name__)
                 break
     assert caught == {check.__name__ for check in CHECKS}
+
+
+def test_a_ported_verl_actor_section_loads_with_verls_meaning():
+    """verl's names for the loss (policy_loss.loss_mode, '+' KL types, its five aggregation modes) are accepted;
+    ppo_mini_batch_size counts prompts, and the derived loss keys follow verl's defaults."""
+    verl = ["actor.policy_loss.loss_mode=vanilla", "actor.kl_loss_type=k3+", "actor.use_kl_loss=true",
+            "actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.ppo_mini_batch_size=16"]  # fmt: skip
+    cfg = load_config(G7, verl)
+    assert cfg.actor.loss_scale_factor == cfg.data.max_response_length  # verl: null = the response length
+    assert cfg.critic.loss_agg_mode == "seq-mean-token-sum-norm"  # verl's critic.yaml: the actor's by default
+    from hybridrl.config.checks import update_schedule
+
+    line = update_schedule(cfg, "actor")
+    assert line.startswith("actor: 8 optimizer steps per rollout = data.train_batch_size 128 / ")
+    assert "each step 128 responses (x rollout.n 8) in 8 micro-batches of 4 per DP rank" in line
+    cfg = load_config(P7, ["critic.loss_agg_mode=token-sum", "actor.loss_scale_factor=100", "critic.ppo_epochs=2"])
+    roles = (cfg.actor.loss_agg_mode, cfg.critic.loss_agg_mode, cfg.critic.loss_scale_factor)
+    assert roles == ("token-mean", "token-sum", 100)
+    assert update_schedule(cfg, "critic").startswith("critic: 8 optimizer steps per rollout")  # 256 / 64 x 2
 
 
 def test_validate_leaves_config_unchanged_and_fill_is_idempotent():

@@ -27,7 +27,8 @@ SHAPE = dict(
 )
 PROMPT_LENS = [5, 9, 3, 7, 6, 2, 8, 4]
 RESPONSE_LENS = [6, 3, 8, 0, 5, 7, 1, 4]  # sample 3 has no response token at all
-MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+NORM = 8.0  # loss_scale_factor of seq-mean-token-sum-norm (the longest response)
 TEMPERATURE = 0.8
 ENT_COEF = 0.01
 CASES = [  # (name, layout, micro_batch_size); the global batch has 8 samples
@@ -188,7 +189,8 @@ def _reference(shape, samples) -> dict:
             sums.append(tok / max(n, 1.0) if mode == "seq-mean-token-mean" else tok)
             n_tok += n
             n_seq += 1.0 if n > 0 else 0.0
-        loss = sum(sums) / (n_tok if mode == "token-mean" else n_seq)
+        denominator = {"token-mean": n_tok, "token-sum": 1.0, "seq-mean-token-sum-norm": n_seq * NORM}.get(mode, n_seq)
+        loss = sum(sums) / denominator
         loss.backward()
         out["loss"][mode] = loss.item()
         out["grads"][mode] = {n: p.grad.detach().clone() for n, p in global_named_parameters(chunks)}
@@ -239,7 +241,9 @@ def _check_case(shape, samples, ref, layout_kw, mbs) -> dict:
     for mode in MODES:
         for chunk in chunks:
             chunk.zero_grad()
-        out = compute.forward_backward(chunks, local, ppo_like_loss, mbs, head=head, loss_agg_mode=mode)
+        out = compute.forward_backward(
+            chunks, local, ppo_like_loss, mbs, head=head, loss_agg_mode=mode, loss_scale_factor=NORM
+        )
         expected = local_shards(chunks, ref["grads"][mode])
         diff, scale = 0.0, 0.0
         for name, p in global_named_parameters(chunks):
@@ -466,17 +470,19 @@ def test_value_head_reads_the_predicting_position():
 
 
 def test_aggregate_formulas_by_hand():
+    from hybridrl.algos import aggregation
     from hybridrl.mcore import loss_scaling
 
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    expect = {"token-mean": (1 + 2 + 4) / 3, "seq-mean-token-sum": (3 + 4) / 2, "seq-mean-token-mean": (1.5 + 4) / 2}
+    expect = {"token-mean": (1 + 2 + 4) / 3, "token-sum": 1 + 2 + 4, "seq-mean-token-sum": (3 + 4) / 2,
+              "seq-mean-token-mean": (1.5 + 4) / 2, "seq-mean-token-sum-norm": (3 + 4) / 2 / NORM}  # fmt: skip
     for mode, value in expect.items():
-        denom = loss_scaling.global_denominator(mask, mode)  # no process group: local == global
-        assert loss_scaling.aggregate(per_token, mask, mode, denom).item() == pytest.approx(value), mode
+        denom = loss_scaling.global_denominator(mask, mode, loss_scale_factor=NORM)  # no group: local == global
+        assert aggregation.aggregate(per_token, mask, mode, denom).item() == pytest.approx(value), mode
     # two halves with the global denominator add up to the whole
     denom = loss_scaling.global_denominator(mask, "token-mean")
-    halves = sum(loss_scaling.aggregate(per_token[i : i + 1], mask[i : i + 1], "token-mean", denom) for i in range(3))
+    halves = sum(aggregation.aggregate(per_token[i : i + 1], mask[i : i + 1], "token-mean", denom) for i in range(3))
     assert halves.item() == pytest.approx(expect["token-mean"])
 
 
@@ -497,4 +503,6 @@ def test_bad_inputs_name_the_key():
     with pytest.raises(ValueError, match=r"micro_batch_size \(3\)"):
         compute.split_micro_batches(compute.prepare_batch(batch), 3)
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        loss_scaling.aggregate(torch.ones(1, 1), torch.ones(1, 1), "token-sum", torch.tensor(1.0))
+        loss_scaling.global_denominator(torch.ones(1, 1), "token-median")
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        compute.forward_backward([], batch, lambda o, mb: (o, {}), 1, loss_agg_mode="seq-mean-token-sum-norm")

@@ -68,7 +68,7 @@ def test_ppo_two_steps(tmp_path):
 def test_grpo_two_steps(tmp_path):
     history = _train(
         tmp_path, "algorithm.adv_estimator=grpo", "rollout.n=2", "critic.enable=false", "actor.use_kl_loss=true",
-        "algorithm.use_kl_in_reward=false", "actor.ppo_mini_batch_size=8", "rollout.weight_sync=hf",
+        "algorithm.use_kl_in_reward=false", "actor.ppo_mini_batch_size=4", "rollout.weight_sync=hf",
         "actor.optimizer_offload=true", "ref.param_offload=true", "data.val_batch_size=5",
     )  # fmt: skip
     _check(history, critic=False)  # the "hf" push (vLLM's own loader) also carries the update, and the offload
@@ -93,10 +93,10 @@ def test_remax_two_steps(tmp_path):
     """ReMax: a greedy response per prompt is generated and scored each step as its samples' baseline."""
     history = _train(
         tmp_path, "algorithm.adv_estimator=remax", "rollout.n=2", "critic.enable=false", "actor.use_kl_loss=true",
-        "algorithm.use_kl_in_reward=false", "actor.ppo_mini_batch_size=8",
+        "algorithm.use_kl_in_reward=false", "actor.ppo_mini_batch_size=4",
     )  # fmt: skip
     _check(history, critic=False)
-    assert all(h["timing_s/remax_baseline"] > 0 for h in history if h["step"] > 0)
+    assert all(h["timing_s/reward_baselines"] > 0 for h in history if h["step"] > 0)
 
 
 def test_ppo_on_megatrons_optimizer(tmp_path):

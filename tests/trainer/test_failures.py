@@ -1,8 +1,8 @@
 """Failure handling under a real torchrun launch on 2 CPU ranks.
 
-- NaN/Inf: every actor loss is poisoned (test hook HYBRIDRL_TEST_NAN_LOSS=1): each update is skipped with
-  a warning and the weights stay as they were; after trainer.max_bad_steps in a row the run saves a
-  checkpoint and stops with a one-line error.
+- NaN/Inf: every actor loss is poisoned, through the public extension point (a custom policy-loss file selected
+  by actor.policy_loss, returning NaN): each update is skipped with a warning and the weights stay as they
+  were; after trainer.max_bad_steps in a row the run saves a checkpoint and stops with a one-line error.
 - A rank dies (SIGKILL in the middle of a step): the launch ends (no hang) with a non-zero exit that names
   the dead rank; the subprocess timeout bounds the wait.
 """
@@ -30,10 +30,22 @@ def _launch(out: Path, env_extra: dict[str, str], *overrides: str) -> subprocess
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
 
 
+NAN_LOSS = """
+import torch
+
+
+def compute_policy_loss(log_prob, old_log_prob, advantages, response_mask, **options):
+    loss = torch.full_like(log_prob, float("nan")) * log_prob  # NaN, and still on the graph
+    return torch.where(response_mask.bool(), loss, torch.zeros_like(loss)), {}
+"""
+
+
 def test_nan_steps_are_skipped_then_stop_with_checkpoint(tmp_path):
     out = tmp_path / "run"
-    result = _launch(out, {"HYBRIDRL_TEST_NAN_LOSS": "1"}, "trainer.total_steps=5", "trainer.max_bad_steps=3",
-                     "trainer.save_freq=2")  # fmt: skip
+    loss_file = tmp_path / "nan_loss.py"
+    loss_file.write_text(NAN_LOSS)
+    result = _launch(out, {}, "trainer.total_steps=5", "trainer.max_bad_steps=3", "trainer.save_freq=2",
+                     "actor.policy_loss.loss_mode=custom", f"actor.policy_loss.path={loss_file}")  # fmt: skip
     log = result.stdout + result.stderr
     assert result.returncode != 0, log[-3000:]
     assert "trainer.max_bad_steps (3) consecutive steps had NaN/Inf losses or grad norms; stopped at step 3" in log

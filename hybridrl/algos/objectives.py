@@ -1,0 +1,128 @@
+"""What the actor and the critic minimise, composed from the registries (one small callable each).
+
+    actor:   l_it = pg_it - entropy_coeff * H_it + kl_loss_coef * KL_it      (the KL term with actor.use_kl_loss)
+    critic:  l_it = value_loss_it
+
+``pg`` is the policy loss ``actor.policy_loss.loss_mode`` of :data:`~hybridrl.algos.losses.POLICY_LOSSES`, or a
+user's function from the file ``actor.policy_loss.path`` (loss_mode "custom"); ``H`` the entropy bonus
+(:func:`~hybridrl.algos.losses.entropy_bonus`); ``KL`` the estimator ``actor.kl_loss_type`` as a loss
+(:func:`~hybridrl.algos.kl.kl_loss`); the value loss is :func:`~hybridrl.algos.losses.value_loss`. Each callable
+maps ``(outputs, batch)`` (the model head's ``(b, r)`` tensors and the micro-batch) to the per-token loss
+``(b, r)``, zero on padding, and scalar metrics; the training backend aggregates it over the whole mini-batch
+with the role's ``loss_agg_mode`` (:mod:`hybridrl.algos.aggregation`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridrl.algos.kl import kl_loss
+from hybridrl.algos.losses import POLICY_LOSSES, LossOutput, PolicyLossFn, entropy_bonus, value_loss
+from hybridrl.config.schema_roles import CUSTOM_POLICY_LOSS, ActorConfig, CriticConfig, PolicyLossConfig
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+def load_policy_loss(cfg: PolicyLossConfig) -> PolicyLossFn:
+    """The policy loss ``cfg`` names: a registry entry, or the function ``cfg.name`` of the file ``cfg.path``."""
+    if cfg.loss_mode != CUSTOM_POLICY_LOSS:
+        if cfg.path is not None:
+            raise ValueError(f"actor.policy_loss.path ({cfg.path!r}) is set but actor.policy_loss.loss_mode is "
+                             f"{cfg.loss_mode!r}; set actor.policy_loss.loss_mode=custom to use the file")  # fmt: skip
+        if cfg.loss_mode not in POLICY_LOSSES:
+            raise ValueError(f"actor.policy_loss.loss_mode ({cfg.loss_mode!r}) must be one of {sorted(POLICY_LOSSES)} "
+                             f"or {CUSTOM_POLICY_LOSS!r} (with actor.policy_loss.path)")  # fmt: skip
+        return POLICY_LOSSES[cfg.loss_mode]
+    file = Path(cfg.path or "")
+    if cfg.path is None or not file.is_file():
+        raise ValueError(f"actor.policy_loss.path ({cfg.path!r}) must be a .py file for loss_mode 'custom'")
+    module_name = "hybridrl_custom_policy_loss_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"actor.policy_loss.path ({cfg.path!r}) cannot be imported; it must be a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling in the file need the module registered
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[module_name]
+        raise ValueError(f"actor.policy_loss.path ({cfg.path!r}) failed to import ({type(err).__name__}: {err}); "
+                         "fix the file") from err  # fmt: skip
+    fn = getattr(module, cfg.name, None)
+    if not callable(fn):
+        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise ValueError(f"actor.policy_loss.name ({cfg.name!r}) is not a function in {cfg.path!r} (it defines "
+                         f"{defined}); set actor.policy_loss.name")  # fmt: skip
+    return fn
+
+
+class ActorLoss:
+    """``l = pg - entropy_coeff * H (+ kl_loss_coef * KL)`` per token, from the actor's config section.
+
+    Args:
+        cfg: the ``actor`` section (policy loss, clip ratios, entropy and KL coefficients).
+    """
+
+    def __init__(self, cfg: ActorConfig) -> None:
+        self.policy = load_policy_loss(cfg.policy_loss)
+        self.custom = cfg.policy_loss.loss_mode == CUSTOM_POLICY_LOSS
+        self.options: dict[str, Any] = dict(
+            clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+            loss_agg_mode=cfg.loss_agg_mode, loss_scale_factor=cfg.loss_scale_factor, per_token=True,
+        )  # fmt: skip
+        self.entropy_coeff = cfg.entropy_coeff
+        self.kl = (cfg.kl_loss_type, cfg.kl_loss_coef) if cfg.use_kl_loss else None
+        self.inputs = ("old_log_probs", "advantages", *(("ref_log_probs",) if self.kl else ()))
+        """The batch keys it reads besides ``response_mask``."""
+
+    def __call__(self, outputs: Tensors, batch: Tensors) -> LossOutput:
+        """Per-token loss ``(b, r)`` and metrics from the head's ``log_probs`` / ``entropy`` ``(b, r)``."""
+        mask, log_prob = batch["response_mask"], outputs["log_probs"]
+        out = self.policy(log_prob=log_prob, old_log_prob=batch["old_log_probs"], advantages=batch["advantages"],
+                          response_mask=mask, **self.options)  # fmt: skip
+        if self.custom:
+            _check_custom(out, mask)
+        pg, metrics = out
+        ent, ent_metrics = entropy_bonus(outputs["entropy"], mask, per_token=True)
+        loss = pg - self.entropy_coeff * ent
+        metrics = {**metrics, **ent_metrics}
+        if self.kl:
+            kl_type, coef = self.kl
+            kl, kl_metrics = kl_loss(log_prob, batch["ref_log_probs"], mask, kl_type=kl_type, per_token=True)
+            loss = loss + coef * kl
+            metrics.update(kl_metrics)
+        return loss, metrics
+
+
+class CriticLoss:
+    """The clipped value loss per token, from the critic's config section.
+
+    Args:
+        cfg: the ``critic`` section (``cliprange_value``).
+    """
+
+    inputs = ("values", "returns")
+    """The batch keys it reads besides ``response_mask``."""
+
+    def __init__(self, cfg: CriticConfig) -> None:
+        self.cliprange_value = cfg.cliprange_value
+
+    def __call__(self, outputs: Tensors, batch: Tensors) -> LossOutput:
+        """Per-token loss ``(b, r)`` and metrics from the head's ``values`` ``(b, r)``."""
+        return value_loss(outputs["values"], batch["values"], batch["returns"], batch["response_mask"],
+                          cliprange_value=self.cliprange_value, per_token=True)  # fmt: skip
+
+
+def _check_custom(out: Any, mask: torch.Tensor) -> None:
+    ok = isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor) and isinstance(out[1], dict)
+    if not ok or out[0].shape != mask.shape:
+        got = f"a loss of shape {tuple(out[0].shape)}" if ok else f"{type(out).__name__}"
+        raise ValueError(f"actor.policy_loss.path: the custom policy loss returned {got}; it must return (loss, "
+                         f"metrics), the loss of shape {tuple(mask.shape)} with per_token=True")  # fmt: skip
