@@ -295,7 +295,8 @@ def check_tensor_parallel_attributes(chunks: Iterable[torch.nn.Module]) -> None:
         for name, param in chunk.named_parameters():
             missing = [a for a in TP_ATTRIBUTES if not hasattr(param, a)]
             split = splits.get(id(param))
-            wrong = split is not None and (not param.tensor_model_parallel or param.partition_dim != split[1])
+            wrong = not missing and split is not None
+            wrong = wrong and (not param.tensor_model_parallel or param.partition_dim != split[1])
             if missing or wrong:
                 what = f"lacks {missing}" if missing else f"is not marked split on dim {split[1]}"
                 raise RuntimeError(
