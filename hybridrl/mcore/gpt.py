@@ -236,7 +236,7 @@ def _megatron_split(module: torch.nn.Module, name: str, fc1: set[int], fc1_strid
     if isinstance(module, ColumnParallelLinear) and name in ("weight", "bias"):
         return (True, 0, stride)
     if isinstance(module, RowParallelLinear) and name == "weight":
-        return (True, 1, stride)
+        return (True, 1, 1)
     return None
 
 

@@ -93,7 +93,7 @@ class RoleModel:
     _devices: dict[int, torch.device] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        # however the chunks were built or filled (HF folder, dummy weights, a training checkpoint), the grad
+        # however the chunks were built or filled (an HF folder, a training checkpoint, random init), the grad
         # norm, clipping and every TP-aware reader need each parameter's tensor-parallel attributes
         gpt.check_tensor_parallel_attributes(self.chunks)
 
