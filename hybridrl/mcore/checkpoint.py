@@ -158,7 +158,8 @@ def build_from_checkpoint(role_dir: str, role: str = "actor", dtype: torch.dtype
     """A role's model rebuilt from a checkpoint's ``<role>/`` folder alone (its config.json + model/), on the
     current Megatron layout; ``hybridrl export`` uses it. Collective."""
     hf = hf_config.load_hf_config(role_dir)
-    shape, config = hf_config.from_hf(hf, dtype)
+    # load_model fills every parameter (it raises on any the checkpoint lacks): a random init would be wasted
+    shape, config = hf_config.from_hf(hf, dtype, perform_initialization=False)
     head = "score" if role in ("critic", "reward") else "lm"
     if head == "score":
         chunks = score_model_chunks(shape, config, dtype)

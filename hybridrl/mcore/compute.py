@@ -31,6 +31,7 @@ the saving grows with the square of the width in attention. Outputs at valid tok
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from megatron.core.utils import get_model_config
 
 from hybridrl.algos.aggregation import aggregate, check_mode
 from hybridrl.mcore import vocab_parallel
-from hybridrl.mcore.gpt import run_schedule
+from hybridrl.mcore.gpt import run_schedule, vocab_size_of
 from hybridrl.mcore.loss_scaling import global_denominator, grad_reduce_mean_factor
 
 Batch = Mapping[str, torch.Tensor]
@@ -217,7 +218,11 @@ def gather_response(output: torch.Tensor, positions: torch.Tensor) -> torch.Tens
 
 
 class TokenHead(Protocol):
-    """Turns a model chunk's output on the last stage into per-response-token tensors ``(mb, r)``."""
+    """Turns a model chunk's output on the last stage into per-response-token tensors ``(mb, r)``.
+
+    A head that needs facts of the model (the vocabulary) may define ``bind(chunks) -> head``: the forward
+    functions call it before the first micro-batch.
+    """
 
     keys: tuple[str, ...]
 
@@ -229,14 +234,39 @@ class LogProbHead:
     """Log-probs of ``responses`` (and the entropy) from vocab-parallel logits ``(mb, s, V/tp)``."""
 
     temperature: float = 1.0
+    """Logits are divided by it (the rollout's sampling temperature for PPO ratios; 1.0: the model's own)."""
     with_entropy: bool = False
-    vocab_size: int | None = None  # the true vocabulary when the model's is padded
+    """Also return the entropy of the (tempered) softmax."""
+    vocab_size: int | None = None
+    """The true vocabulary: logits past it are the model's padding rows and stay out of the softmax. None: the
+    model's own, filled in by :meth:`bind` (which the forward functions call) from the chunks' builder."""
 
     @property
     def keys(self) -> tuple[str, ...]:
         return ("log_probs", "entropy") if self.with_entropy else ("log_probs",)
 
+    def bind(self, chunks: list[torch.nn.Module]) -> LogProbHead:
+        """This head with ``vocab_size`` from the model (:func:`hybridrl.mcore.gpt.vocab_size_of`).
+
+        Raises:
+            ValueError: an explicit ``vocab_size`` differs from the model's, or neither is known.
+        """
+        model = vocab_size_of(chunks, required=self.vocab_size is None)
+        if self.vocab_size is None:
+            return dataclasses.replace(self, vocab_size=model)
+        if model is not None and model != self.vocab_size:
+            raise ValueError(
+                f"LogProbHead.vocab_size ({self.vocab_size}) differs from the model's vocabulary ({model}); "
+                "leave it unset (None) to use the model's"
+            )
+        return self
+
     def __call__(self, output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.vocab_size is None:
+            raise ValueError(
+                "LogProbHead.vocab_size is None: call head.bind(chunks) (compute.forward_outputs / forward_backward "
+                "do) or pass the tokenizer's vocabulary, or the model's padding rows enter the softmax"
+            )
         logits = gather_response(output, micro_batch["response_positions"])
         group = mpu.get_tensor_model_parallel_group()
         logp, ent = vocab_parallel.log_probs_and_entropy(
@@ -290,6 +320,11 @@ def _run_schedule(chunks, micro_batches, loss_func, forward_only: bool) -> list[
     return run_schedule(chunks, micro_batches, step, forward_only, seq=seq, micro_batch_size=mb)
 
 
+def _bind(head: TokenHead, chunks) -> TokenHead:
+    bind = getattr(head, "bind", None)
+    return bind(chunks) if callable(bind) else head
+
+
 def _check_supported(chunks) -> None:
     config = get_model_config(chunks[0])
     if mpu.get_context_parallel_world_size() > 1:
@@ -340,7 +375,7 @@ def forward_backward(
     """
     check_mode(loss_agg_mode, loss_scale_factor)  # on every rank, before any collective
     _check_supported(chunks)
-    head = head or LogProbHead()
+    head = _bind(head or LogProbHead(), chunks)
     prepared = prepare_batch(batch)
     r = prepared["responses"].shape[1]
     if response_mask_key not in prepared:
@@ -415,6 +450,7 @@ def forward_outputs(
         Values at response padding are computed but meaningless.
     """
     _check_supported(chunks)
+    head = _bind(head, chunks)
     prepared = prepare_batch(batch)
     b, r = prepared["responses"].shape
     # Forward-only, so a batch that micro_batch_size does not divide (a validation tail, ReMax's greedy
@@ -473,7 +509,11 @@ def compute_log_probs(
     gather_dp: bool = False,
     vocab_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Per-token log-probs of ``batch['responses']`` (and entropy): ``{'log_probs': (b, r), ...}`` on every rank."""
+    """Per-token log-probs of ``batch['responses']`` (and entropy): ``{'log_probs': (b, r), ...}`` on every rank.
+
+    The softmax runs over the model's true vocabulary (``vocab_size=None``: taken from the model, see
+    :class:`LogProbHead`), at ``temperature`` (pass the rollout's for PPO's old log-probs).
+    """
     head = LogProbHead(temperature=temperature, with_entropy=with_entropy, vocab_size=vocab_size)
     return forward_outputs(chunks, batch, micro_batch_size, head, gather_dp)
 

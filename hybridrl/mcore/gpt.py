@@ -7,6 +7,17 @@ window, tied or untied embeddings), the vocab padding rule (:func:`padded_vocab_
 (TransformerEngine when it imports, Megatron's local modules otherwise), the model chunks of this pipeline
 rank (one per virtual stage), and :func:`forward_backward`, which runs micro-batches through Megatron's
 pipeline schedules with a caller-supplied loss.
+
+Every chunk built here carries what the rest of the stack reads from the model rather than from a config:
+
+- Megatron's tensor-parallel attributes on EVERY parameter (``tensor_model_parallel``, ``partition_dim``,
+  ``partition_stride``; :func:`set_tensor_parallel_attributes`). Megatron-Core sets them on linear and
+  embedding weights only inside its random-init code, so a model built with ``perform_initialization=False``
+  (every role, then loaded from a checkpoint) would lack them, and the grad norm and clipping of both
+  optimizer paths would count each TP shard as a replica. :func:`check_tensor_parallel_attributes` is the
+  invariant the optimizer and the roles check.
+- the tokenizer's vocabulary size (:data:`VOCAB_ATTR`, read by :func:`vocab_size_of`): the embedding and
+  output layer have ``padded_vocab`` rows, and the per-token heads must leave the padding out of the softmax.
 """
 
 from __future__ import annotations
@@ -26,14 +37,25 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.transformer import ModuleSpec, TransformerConfig
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from hybridrl.mcore import cpu_compat
+from hybridrl.mcore import cpu_compat, vocab_parallel
 from hybridrl.mcore.parallel_state import p2p_settings
 
 VOCAB_DIVISOR = 64  # Megatron's make_vocab_size_divisible_by default
+VOCAB_ATTR = "hybridrl_vocab_size"
+"""Attribute of every chunk built by :func:`build_model_chunks`: the true (unpadded) vocabulary size."""
+TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisor: int = VOCAB_DIVISOR) -> int:
@@ -193,7 +215,119 @@ def build_model_chunks(shape: GPTShape, config: TransformerConfig) -> list[GPTMo
                 vp_stage=vp_stage if vpp > 1 else None,
             )
         )
+    for chunk in chunks:
+        setattr(chunk, VOCAB_ATTR, shape.vocab_size)
+    set_tensor_parallel_attributes(chunks, config)
     return chunks
+
+
+def _fc1_stride(config: TransformerConfig) -> int:
+    """The ``stride`` Megatron's MLP gives ``linear_fc1``: 2 for a gated unit (each TP rank holds
+    ``[gate_r; up_r]``), 1 otherwise and under Kitchen linears (megatron/core/transformer/mlp.py)."""
+    return 2 if config.gated_linear_unit and not getattr(config, "use_kitchen", False) else 1
+
+
+def _megatron_split(module: torch.nn.Module, name: str, fc1: set[int], fc1_stride: int) -> tuple | None:
+    """``(tensor_model_parallel, partition_dim, partition_stride)`` that Megatron's init gives parameter
+    ``name`` of ``module``, for its own parallel layers; None for every other parameter (replicated)."""
+    stride = fc1_stride if id(module) in fc1 else 1
+    if isinstance(module, VocabParallelEmbedding) and name == "weight":
+        return (True, 0, 1)
+    if isinstance(module, ColumnParallelLinear) and name in ("weight", "bias"):
+        return (True, 0, stride)
+    if isinstance(module, RowParallelLinear) and name == "weight":
+        return (True, 1, 1)
+    return None
+
+
+def _known_splits(chunk: torch.nn.Module, config: TransformerConfig | None) -> dict[int, tuple]:
+    """id(parameter) -> the split of :func:`_megatron_split`, over one chunk."""
+    fc1 = {id(m.linear_fc1) for m in chunk.modules() if isinstance(m, MLP)}
+    fc1_stride = _fc1_stride(config) if config is not None else 1
+    splits = {}
+    for module in chunk.modules():
+        for name, param in module.named_parameters(recurse=False):
+            split = _megatron_split(module, name, fc1, fc1_stride)
+            if split is not None:
+                splits[id(param)] = split
+    return splits
+
+
+def set_tensor_parallel_attributes(chunks: list[torch.nn.Module], config: TransformerConfig) -> None:
+    """Give every parameter Megatron's tensor-parallel attributes, as its init would have (any TP size).
+
+    Megatron's column-parallel linears and vocab-parallel embeddings are split on dim 0, row-parallel
+    linears on dim 1 (``linear_fc1`` with stride 2 for SwiGLU, see :func:`_fc1_stride`); attributes a layer
+    set itself (Megatron's biases, TransformerEngine's layers) are kept, and every other parameter gets
+    Megatron's replicated defaults. Idempotent.
+
+    Raises:
+        RuntimeError: Megatron set a split on one of its own layers that differs from the rule here.
+    """
+    for chunk in chunks:
+        splits = _known_splits(chunk, config)
+        for name, param in chunk.named_parameters():
+            split = splits.get(id(param))
+            have = tuple(getattr(param, a, None) for a in TP_ATTRIBUTES)
+            if split is None or have == split:
+                set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+            elif have == (None, None, None):
+                set_tensor_model_parallel_attributes(param, *split)
+            else:
+                raise RuntimeError(
+                    f"{name}: Megatron set tensor-parallel attributes {have}, the rule here gives {split}; "
+                    "update hybridrl.mcore.gpt._megatron_split to this Megatron version"
+                )
+
+
+def check_tensor_parallel_attributes(chunks: Iterable[torch.nn.Module]) -> None:
+    """Raise unless every parameter carries Megatron's tensor-parallel attributes and each weight of a
+    Megatron parallel layer is marked split on its dim (the invariant the grad norm and clipping rely on).
+
+    Chunks may be wrapped (Megatron DDP's ``.module``).
+
+    Raises:
+        RuntimeError: naming the first parameter that lacks them.
+    """
+    for chunk in chunks:
+        chunk = _unwrap(chunk)
+        splits = _known_splits(chunk, None)
+        for name, param in chunk.named_parameters():
+            missing = [a for a in TP_ATTRIBUTES if not hasattr(param, a)]
+            split = splits.get(id(param))
+            wrong = not missing and split is not None
+            wrong = wrong and (not param.tensor_model_parallel or param.partition_dim != split[1])
+            if missing or wrong:
+                what = f"lacks {missing}" if missing else f"is not marked split on dim {split[1]}"
+                raise RuntimeError(
+                    f"parameter {name} {what}: the grad norm would count TP shards as replicas; build the model "
+                    "with hybridrl.mcore.gpt.build_model_chunks (or call gpt.set_tensor_parallel_attributes)"
+                )
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def vocab_size_of(chunks: Iterable[torch.nn.Module], required: bool = True) -> int | None:
+    """The true vocabulary size of a model built by :func:`build_model_chunks` (chunks may be wrapped).
+
+    Raises:
+        ValueError: ``required`` and the chunks were built elsewhere (pass the vocabulary size explicitly);
+            not ``required``: None then.
+    """
+    for chunk in chunks:
+        size = getattr(_unwrap(chunk), VOCAB_ATTR, None)
+        if size is not None:
+            return int(size)
+    if not required:
+        return None
+    raise ValueError(
+        "the model chunks carry no vocabulary size (not built by hybridrl.mcore.gpt.build_model_chunks); "
+        "pass vocab_size= (the tokenizer's, e.g. RoleModel.shape.vocab_size)"
+    )
 
 
 def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -218,8 +352,9 @@ def forward_backward(
     Args:
         chunks: this rank's model chunks (from :func:`build_model_chunks`).
         micro_batches: dicts with ``input_ids`` and ``position_ids`` ``(mb, seq)``, optional ``labels``
-            ``(mb, seq)`` (then the model returns per-token cross entropy ``(mb, seq)``), and whatever the
-            loss needs. Every pipeline rank passes the same micro-batches.
+            ``(mb, seq)`` (then ``output`` is the per-token cross entropy ``(mb, seq)`` over the TRUE vocabulary:
+            Megatron's own would put the padding rows into the softmax), and whatever the loss needs. Every
+            pipeline rank passes the same micro-batches.
         loss_fn: ``(output, micro_batch) -> (loss, metrics)``; ``output`` is per-token loss with labels,
             else vocab-parallel logits ``(mb, seq, vocab / tp)``. The schedule divides the returned loss by
             the number of micro-batches before backward.
@@ -233,12 +368,16 @@ def forward_backward(
         raise ValueError("forward_backward got no micro-batches")
     mb, seq = micro_batches[0]["input_ids"].shape
     mask = causal_mask(seq, device=micro_batches[0]["input_ids"].device)
+    vocab = vocab_size_of(chunks) if "labels" in micro_batches[0] else None
 
     def step(data_iterator, model):
         batch = next(data_iterator)
-        output = model(batch["input_ids"], batch["position_ids"], mask, labels=batch.get("labels"))
+        output = model(batch["input_ids"], batch["position_ids"], mask)
 
         def loss_func(output_tensor):
+            if vocab is not None:
+                group = mpu.get_tensor_model_parallel_group()
+                output_tensor = -vocab_parallel.log_probs(output_tensor, batch["labels"], group, vocab_size=vocab)
             return loss_fn(output_tensor, batch)
 
         return output, loss_func

@@ -11,11 +11,13 @@ Both apply the same step: set ``lr = LRSchedule(step)``, compute the global grad
 
     ||g|| = sqrt( sum over model-parallel ranks of sum over counted params of ||g_p||^2 )
 
-where a tensor-parallel shard counts on its own rank and a TP-replicated param (no ``tensor_model_parallel``
-attribute: norms) counts on TP rank 0 only; data-parallel copies are not counted again (the gradients were
-reduced). A non-finite norm skips the update (weights, Adam states and the schedule step are unchanged)
-and is reported; otherwise gradients are scaled by ``min(1, clip_grad / (||g|| + 1e-6))`` and AdamW steps,
-with no weight decay on biases and 1-D params (Megatron's rule).
+where a tensor-parallel shard (``tensor_model_parallel=True``; ``hybridrl.mcore.gpt.build_model_chunks`` sets
+the attributes on every parameter and :func:`build_optimizer` refuses chunks without them) counts on its own
+rank and a TP-replicated param (norms, the value head) counts on TP rank 0 only; data-parallel copies are not
+counted again (the gradients were reduced). A non-finite norm skips the update (weights, Adam states and the
+schedule step are unchanged) and is reported; otherwise gradients are scaled by
+``min(1, clip_grad / (||g|| + 1e-6))`` and AdamW steps, with no weight decay on biases and 1-D params
+(Megatron's rule).
 
 :func:`build_optimizer` picks the path (``backend="auto"``: Megatron when CUDA is available).
 """
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+from hybridrl.mcore.gpt import check_tensor_parallel_attributes
 from hybridrl.mcore.lr_schedule import LRSchedule
 
 BACKENDS = ("auto", "torch", "megatron")
@@ -347,6 +350,7 @@ def build_optimizer(chunks: list[torch.nn.Module], config: OptimConfig) -> Train
     """The optimizer for ``chunks``; train with ``optimizer.chunks`` (wrapped in DDP on the Megatron path)."""
     if config.backend not in BACKENDS:
         raise ValueError(f"optimizer backend ({config.backend!r}) must be one of {BACKENDS}")
+    check_tensor_parallel_attributes(chunks)  # the grad norm counts a TP shard on every rank, a replica once
     backend = config.backend
     if backend == "auto":
         backend = "megatron" if torch.cuda.is_available() else "torch"

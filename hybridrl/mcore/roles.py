@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
+from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
 
 from hybridrl.mcore import bridge, gpt, hf_config
 
@@ -45,6 +46,8 @@ class ValueHead(torch.nn.Module):
     def __init__(self, hidden_size: int, dtype: torch.dtype, init_std: float = 0.0) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        # replicated over TP: counted once by the grad norm (Megatron's attributes for a non-split tensor)
+        set_defaults_if_not_set_tensor_model_parallel_attributes(self.weight)
         self.sequence_parallel = False  # set by the builder from the model's TransformerConfig
         if init_std > 0:
             torch.nn.init.normal_(self.weight, std=init_std)
@@ -88,6 +91,11 @@ class RoleModel:
     source: str
     offloaded: bool = False
     _devices: dict[int, torch.device] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        # however the chunks were built or filled (an HF folder, a training checkpoint, random init), the grad
+        # norm, clipping and every TP-aware reader need each parameter's tensor-parallel attributes
+        gpt.check_tensor_parallel_attributes(self.chunks)
 
     def parameters(self):
         """This rank's parameters over all chunks."""

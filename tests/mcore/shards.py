@@ -1,8 +1,8 @@
 """Test helpers: move full (1-rank) weights into this rank's Megatron shards and gather gradients back.
 
-They read the tensor-parallel attributes Megatron sets on each parameter (``tensor_model_parallel``,
-``partition_dim``, ``partition_stride``) and the global layer numbers, so they are independent of the
-code under test's layout math.
+They read the tensor-parallel attributes of each parameter (``tensor_model_parallel``, ``partition_dim``,
+``partition_stride``, which ``gpt.build_model_chunks`` sets as Megatron's init would: test_grad_norm_hf checks
+them against Megatron's own) and the global layer numbers, so they are independent of the bridge's layout math.
 """
 
 from __future__ import annotations
@@ -89,10 +89,14 @@ def init_layout(**layout_kw) -> None:
 
 
 def build_chunks(shape, full: dict[str, torch.Tensor] | None = None):
-    """This rank's model chunks for ``shape`` on the current layout, optionally loaded with ``full`` weights."""
+    """This rank's model chunks for ``shape`` on the current layout, optionally loaded with ``full`` weights.
+
+    Loaded models skip Megatron's random init, as every role does (roles._build): that init is where Megatron
+    sets the tensor-parallel attributes, so a test that kept it would not see a model that lacks them.
+    """
     from hybridrl.mcore import gpt
 
-    chunks = gpt.build_model_chunks(shape, gpt.make_config(shape))
+    chunks = gpt.build_model_chunks(shape, gpt.make_config(shape, perform_initialization=full is None))
     if full is not None:
         load_full(chunks, full)
     return chunks
