@@ -6,11 +6,11 @@ A shard cut short on disk (a full disk, a copy interrupted, a node lost mid-writ
 inside Megatron's reader as an ``EOFError`` naming no file, or loads garbage. With the manifest, resume names
 the file and the trainer falls back to an older checkpoint (``hybridrl.trainer.checkpoint``).
 
-Cost: sizes are one ``stat`` per file. The hash is BLAKE3 when the ``blake3`` package is importable, else
-the standard library's BLAKE2b; on a 2-core CI box one core hashes about 3.5 GB/s (BLAKE3) or 1.2 GB/s
-(BLAKE2b), i.e. 0.3 s / 0.85 s per GB, plus reading the bytes back (a save's files are usually still in the
-page cache). The files are spread over the ranks by size, so each rank hashes about 1/world of the
-checkpoint, at save and at resume. A checkpoint saved with BLAKE3 and resumed where it is missing is checked
+Cost: sizes are one ``stat`` per file. The hash is BLAKE3 when the ``blake3`` package is importable (vLLM
+brings it), else the standard library's BLAKE2b; one core of a busy 2-core CI box took 0.14-0.20 s per GB
+with BLAKE3 and 0.76-1.4 s per GB with BLAKE2b, reading page-cached files (0.04 s per GB of that is the
+read; from a cold disk, add its read time). The files are spread over the ranks by size, so each rank
+hashes about 1/world of the checkpoint, at save and at resume. A checkpoint saved with BLAKE3 and resumed where it is missing is checked
 by sizes only (one note). The manifest guards against accidents, not attackers: whoever can rewrite a file
 can rewrite the manifest (``hybridrl.mcore.checkpoint_safety`` is what stops planted code).
 """
