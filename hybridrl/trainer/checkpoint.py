@@ -197,11 +197,14 @@ class CheckpointManager:
         self._note_other_runs(0 if path is None else _step_of(path))
         if path is None:
             return False
+        state = states["trainer"]
+        try:  # first: it refuses another data order than at save (the same on every rank)
+            trainer.loader.load_state_dict(state["loader"])
+        except ValueError as err:
+            raise ResumeError(f"checkpoint {path}: {err}") from None
         for name, group in self._roles(trainer):
             mckpt.load_role(group.worker.model, group.worker.optimizer, os.path.join(path, name))
-        state = states["trainer"]
         trainer.step = int(state["step"])
-        trainer.loader.load_state_dict(state["loader"])
         saved_kl = state["kl_ctrl"]
         if "horizon" in saved_kl and hasattr(trainer.kl_ctrl, "horizon"):  # adaptive: only its coefficient moves;
             trainer.kl_ctrl.value = float(saved_kl["value"])  # target and horizon come from this run's config

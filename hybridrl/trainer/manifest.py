@@ -10,9 +10,10 @@ Cost: sizes are one ``stat`` per file. The hash is BLAKE3 when the ``blake3`` pa
 brings it), else the standard library's BLAKE2b; one core of a busy 2-core CI box took 0.14-0.20 s per GB
 with BLAKE3 and 0.76-1.4 s per GB with BLAKE2b, reading page-cached files (0.04 s per GB of that is the
 read; from a cold disk, add its read time). The files are spread over the ranks by size, so each rank
-hashes about 1/world of the checkpoint, at save and at resume. A checkpoint saved with BLAKE3 and resumed where it is missing is checked
-by sizes only (one note). The manifest guards against accidents, not attackers: whoever can rewrite a file
-can rewrite the manifest (``hybridrl.mcore.checkpoint_safety`` is what stops planted code).
+hashes about 1/world of the checkpoint, at save and at resume. A checkpoint saved with BLAKE3 and resumed
+where it is missing is checked by sizes only (one note). The manifest guards against accidents, not
+attackers: whoever can rewrite a file can rewrite the manifest (``hybridrl.mcore.checkpoint_safety`` is what
+stops planted code).
 """
 
 from __future__ import annotations

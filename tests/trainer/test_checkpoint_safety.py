@@ -14,7 +14,8 @@ checkpoint (``run_ranks`` children cannot save: Megatron's writer starts process
 - the same payload without the manifest rewritten (the hash check fails too): still a refusal, not a fall back
   to an older checkpoint (planted code is no accident), no marker;
 - a shard cut short in the newer of two checkpoints, by explicit path and by ``resume_mode=auto``: one line
-  naming the file, resumed from the older one; both cut: a one-line ResumeError; an untouched copy resumes.
+  naming the file, resumed from the older one; both cut: a one-line ResumeError; an untouched copy resumes;
+  a trainer state of another data seed: a one-line ResumeError.
 
 Then one ``torchrun ... hybridrl train`` launch on the rank-1 payload shows what a user sees.
 """
@@ -140,12 +141,22 @@ def _payload_case(plant, rehash: bool = True) -> tuple[list[str], str, object]:
     return ["global_step_1"], "path", tamper
 
 
+def _other_seed(case: Path, marker: str) -> None:
+    """Trainer state of a run with another data seed: its loader position means other prompts here."""
+    file = case / "global_step_1" / "trainer_state.json"
+    state = json.loads(file.read_text())
+    state["loader"]["seed"] = 999
+    file.write_text(json.dumps(state))
+    _rehash(case / "global_step_1")
+
+
 TWO = ["global_step_1", "global_step_2"]
 # name: (the checkpoint's copies in the case folder, resume mode, how to tamper with them)
 CASES = {
     **{name: _payload_case(plant) for name, (plant, _) in PAYLOADS.items()},
     "no_rehash": _payload_case(_plant_pt("actor/optim_rank0.pt"), rehash=False),
     "intact": (["global_step_1"], "path", lambda case, marker: None),
+    "other_data": (["global_step_1"], "path", _other_seed),
     "cut_path": (TWO, "path", _cut("global_step_2")),
     "cut_auto": (TWO, "auto", _cut("global_step_2")),
     "cut_both": (TWO, "path", _cut(*TWO)),
@@ -228,6 +239,10 @@ def test_resume_refuses_planted_code_and_skips_corrupt_checkpoints(tmp_path):
     assert not r["ran"] and r["kind"] == "checkpoint"
     assert r["error"].startswith(_refusal(changed, "a Python object beyond tensors and builtins (builtins.exec)"))
     assert out[0]["intact"]["resumed"] == str(cases / "intact" / "global_step_1")
+    assert out[0]["other_data"]["error"] == (
+        f"checkpoint {cases / 'other_data' / 'global_step_1'}: data loader state: seed was 999 at save time but is "
+        "1 now; restore with the same data config and files"
+    )
     size = (tmp_path / "run" / "global_step_1" / "actor" / "model" / "__0_1.distcp").stat().st_size
 
     def fallback_line(name: str, step: int) -> str:
