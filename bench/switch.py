@@ -187,7 +187,7 @@ def _push(path: str, tensors_file: str, repeat: int) -> dict[str, list[float]]:
     from hybridrl.mcore.hf_config import load_hf_config
     from hybridrl.rollout import VLLMRolloutEngine
 
-    weights = torch.load(tensors_file)
+    weights = torch.load(tensors_file, weights_only=True)  # written by this bench: tensors only
     llm = VLLMRolloutEngine(load_hf_config(path), dtype="float32", max_model_len=64)
     shapes = llm.parameter_shapes()
     shards = {

@@ -105,4 +105,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0)
         raise AssertionError(f"{fn.__name__} failed on {world_size} ranks:\n" + "\n".join(failures))
     import torch
 
+    # Not a file: bytes that this call's own children (this program) made with torch.save. Whatever a child
+    # puts on the queue, multiprocessing unpickles in full anyway, so a restricted load here would guard
+    # nothing; full unpickling lets a body return any picklable value (numpy scalars, dataclasses).
     return [torch.load(io.BytesIO(outputs[r][1]), weights_only=False) for r in range(world_size)]

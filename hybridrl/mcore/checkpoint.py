@@ -4,6 +4,7 @@ Owns the Megatron half of a checkpoint folder (``hybridrl.trainer.checkpoint`` o
 
     <role>/model/             megatron.core.dist_checkpointing of every chunk's ``sharded_state_dict``
     <role>/optim_rank{r}.pt   CPU path (TorchOptimizer): rank r's ``torch.optim`` state + the layout it belongs to
+                              (tensors, numbers and containers only: read back weights-only)
     <role>/optim/             GPU path (MegatronOptimizer): Megatron's sharded optimizer state (dist_checkpointing)
     <role>/lr.json            updates applied (the LR schedule is a pure function of it, lr_schedule.py)
     <role>/config.json        the role's HF config (what ``hybridrl export`` builds the model from)
@@ -20,6 +21,10 @@ layout they are NOT resharded: the optimizer restarts with fresh moments (one wa
 weights load exactly and the LR schedule continues from the saved update count. The GPU path
 (DistributedOptimizer) saves Megatron's own sharded optimizer state, which Megatron reshards across layouts;
 that branch needs CUDA and is not exercised by the CPU tests.
+
+Nothing here unpickles in full: ``.pt`` files load weights-only, RNG states are safetensors + JSON
+(:func:`save_rng_state`), and every ``torch_dist`` folder passes
+:func:`hybridrl.mcore.checkpoint_safety.check_dist_checkpoint` before Megatron reads it.
 """
 
 from __future__ import annotations
@@ -36,8 +41,11 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel import random as mrandom
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from hybridrl.mcore import gpt, hf_config
+from hybridrl.mcore.checkpoint_safety import CorruptCheckpointError, check_dist_checkpoint, load_weights_only
 from hybridrl.mcore.optimizer import MegatronOptimizer
 from hybridrl.mcore.roles import RoleModel, score_model_chunks
 
@@ -87,7 +95,9 @@ def load_model(chunks: list[torch.nn.Module], path: str) -> None:
 
     Raises:
         RuntimeError: a parameter of the model is absent from the checkpoint.
+        UnsafeCheckpointError / CorruptCheckpointError: ``path`` fails :func:`check_dist_checkpoint`.
     """
+    check_dist_checkpoint(path)
     loaded = dist_checkpointing.load(_model_sharded_state_dict(chunks), path)
     for i, chunk in enumerate(chunks):
         missing, _ = chunk.load_state_dict(loaded[f"chunk{i}"], strict=False)
@@ -131,13 +141,14 @@ def load_role(model: RoleModel, optimizer: Any, path: str) -> bool:
     with open(os.path.join(path, "lr.json")) as f:
         optimizer.num_steps = int(json.load(f)["num_steps"])
     if isinstance(optimizer, MegatronOptimizer):
+        check_dist_checkpoint(os.path.join(path, "optim"))
         sd = optimizer.optimizer.sharded_state_dict(_model_sharded_state_dict(model.chunks), is_loading=True)
         optimizer.optimizer.load_state_dict(
             dist_checkpointing.load({"optimizer": sd}, os.path.join(path, "optim"))["optimizer"]
         )
         return True
     file = os.path.join(path, f"optim_rank{dist.get_rank()}.pt")
-    saved = torch.load(file, weights_only=False) if os.path.isfile(file) else None
+    saved = load_weights_only(file) if os.path.isfile(file) else None
     same = saved is not None and saved["layout"] == layout_signature()
     if not same and dist.get_rank() == 0:
         was = saved["layout"] if saved else "another world size"
@@ -194,3 +205,61 @@ def set_rng_state(state: dict[str, Any]) -> None:
     mrandom.get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+_RNG_FORMAT = "hybridrl-rng-1"
+
+
+def save_rng_state(path: str) -> None:
+    """Write :func:`rng_state` to the safetensors file ``path``: the torch / CUDA / tracker states as uint8
+    tensors, NumPy's MT19937 key as int64, and the Python state and NumPy's scalars as JSON in the header."""
+    state = rng_state()
+    kind, key, pos, has_gauss, gauss = state["numpy"]
+    tensors = {"torch": state["torch"], "numpy_key": torch.from_numpy(key.astype(np.int64))}
+    tensors.update({f"tracker/{name}": t.cpu() for name, t in state["tracker"].items()})
+    if "cuda" in state:
+        tensors["cuda"] = state["cuda"]
+    header = {
+        "format": _RNG_FORMAT,
+        "python": json.dumps(state["python"]),
+        "numpy": json.dumps({"kind": kind, "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}),
+    }
+    save_file(tensors, path, metadata=header)
+
+
+def read_rng_state(path: str) -> dict[str, Any]:
+    """The states :func:`save_rng_state` wrote, for :func:`set_rng_state`; a ``.pt`` file of an earlier hybridrl
+    (``torch.save(rng_state())``) is read weights-only, with NumPy's array types allowed.
+
+    Raises:
+        CorruptCheckpointError: the file cannot be parsed.  UnsafeCheckpointError: a ``.pt`` file holds more.
+    """
+    if path.endswith(".pt"):
+        rebuild = np.empty(0).__reduce__()[0]  # numpy's array-rebuild function (numpy.core or numpy._core)
+        with torch.serialization.safe_globals([np.ndarray, np.dtype, type(np.dtype(np.uint32)), rebuild]):
+            return load_weights_only(path)
+    try:
+        with safe_open(path, framework="pt") as f:
+            header = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        if header.get("format") != _RNG_FORMAT:
+            raise ValueError(f"format {header.get('format')!r}, not {_RNG_FORMAT!r}")
+        version, internal, gauss = json.loads(header["python"])
+        np_scalars = json.loads(header["numpy"])
+        state = {
+            "python": (version, tuple(internal), gauss),
+            "numpy": (
+                np_scalars["kind"],
+                tensors["numpy_key"].numpy().astype(np.uint32),
+                np_scalars["pos"],
+                np_scalars["has_gauss"],
+                np_scalars["gauss"],
+            ),
+            "torch": tensors["torch"],
+            "tracker": {name[len("tracker/") :]: t for name, t in tensors.items() if name.startswith("tracker/")},
+        }
+    except Exception as err:  # safetensors' own errors, a missing key, bad JSON: one line naming the file
+        raise CorruptCheckpointError(f"{path} cannot be read as RNG states ({type(err).__name__}: {err})") from None
+    if "cuda" in tensors:
+        state["cuda"] = tensors["cuda"]
+    return state

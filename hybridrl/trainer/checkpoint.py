@@ -1,10 +1,11 @@
 """Trainer checkpoints: when to save, the folder's layout, atomic completion, keep-last-K and resume.
 
     <default_local_dir>/global_step_N/
-        actor/  critic/       model, optimizer, LR position, HF config (hybridrl.mcore.checkpoint)
-        rng_rank{r}.pt        Python / NumPy / torch / Megatron-tracker RNG states of rank r
-        trainer.pt            step, data-loader position, KL controller, worker versions, tracker state
-        meta.json             written last: step, layout (its presence marks a complete checkpoint)
+        actor/  critic/              model, optimizer, LR position, HF config (hybridrl.mcore.checkpoint)
+        rng_rank{r}.safetensors      Python / NumPy / torch / Megatron-tracker RNG states of rank r
+        trainer_state.json           step, data-loader position, KL controller, worker versions, bad steps
+        manifest.json                size and hash of every file above (hybridrl.trainer.manifest)
+        meta.json                    written last: step, layout (its presence marks a complete checkpoint)
     <default_local_dir>/latest_checkpoint.txt    the folder name of the newest save (rewritten after each)
 
 A save goes to ``global_step_N.tmp/`` and is renamed to ``global_step_N/`` by rank 0 only after every rank
@@ -16,14 +17,18 @@ Resume (``trainer.resume_mode``): ``auto`` takes the newest save in ``default_lo
 ``latest_checkpoint.txt`` names, else the highest complete ``global_step_N``; none: start fresh), ``path`` takes
 ``resume_from_path``, ``disable`` never resumes.
 
+Before anything is loaded, every rank checks the checkpoint (collectively, so all ranks decide alike): its
+share of the manifest's sizes and hashes, and every file it will read through readers that cannot run code
+(JSON, safetensors, weights-only ``.pt``, :mod:`hybridrl.mcore.checkpoint_safety` for Megatron's folders). A
+corrupt checkpoint (a file missing, cut short, changed or unparsable) is named in one line and resume falls
+back to the next older complete checkpoint of the same folder; when none is intact, or a file holds code (a
+planted pickle is no accident), resume stops with a one-line :class:`ResumeError`.
+
 A run that starts below the folder's highest step (``disable``, or ``path`` to an older step) leaves the higher
 ``global_step_N`` of the earlier run alone, overwrites the steps it reaches itself, and prunes (``max_ckpt_to_keep``)
 only among steps up to its own: keep-last-K never deletes the save just written.
 Under the same layout the run continues bit-exactly; under another one the weights load exactly and the
 optimizer moments restart (see :mod:`hybridrl.mcore.checkpoint`).
-
-Test hook: ``HYBRIDRL_TEST_KILL_AT_STEP=N`` makes rank 1 SIGKILL itself in the middle of step N
-(:func:`crash_for_test`), for the exact-resume test.
 """
 
 from __future__ import annotations
@@ -32,29 +37,29 @@ import json
 import os
 import re
 import shutil
-import signal
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from hybridrl.config.schema import TrainerConfig
 from hybridrl.mcore import checkpoint as mckpt
+from hybridrl.mcore.checkpoint_safety import (
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    check_dist_checkpoint,
+    check_weights_only,
+    load_weights_only,
+)
+from hybridrl.trainer.manifest import can_hash, check_files, gather, read_manifest, write_manifest
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 RESUME_MODES = ("auto", "disable", "path")
 LATEST = "latest_checkpoint.txt"
+STATE = "trainer_state.json"
 
 
 class ResumeError(ValueError):
     """A checkpoint that cannot resume this run (one line: what differs and what to do)."""
-
-
-def crash_for_test(step: int) -> None:
-    """Test hook: rank 1 kills itself with SIGKILL when ``HYBRIDRL_TEST_KILL_AT_STEP`` equals ``step``."""
-    at = os.environ.get("HYBRIDRL_TEST_KILL_AT_STEP")
-    if at is not None and int(at) == step and dist.get_rank() == min(1, dist.get_world_size() - 1):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
@@ -125,10 +130,13 @@ class CheckpointManager:
         for name, group in self._roles(trainer):
             with group.worker.resident():  # an offloaded critic is parked between its updates
                 mckpt.save_role(group.worker.model, group.worker.optimizer, os.path.join(tmp, name))
-        torch.save(mckpt.rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
-        dist.barrier()  # every rank's files are written
+        mckpt.save_rng_state(os.path.join(tmp, f"rng_rank{rank}.safetensors"))
         if rank == 0:
-            torch.save(self._trainer_state(trainer), os.path.join(tmp, "trainer.pt"))
+            with open(os.path.join(tmp, STATE), "w", encoding="utf-8") as f:
+                json.dump(self._trainer_state(trainer), f, indent=1)
+        dist.barrier()  # every rank's files are written
+        write_manifest(tmp)
+        if rank == 0:
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump({"step": trainer.step, "layout": mckpt.layout_signature()}, f)
             shutil.rmtree(final, ignore_errors=True)
@@ -183,22 +191,20 @@ class CheckpointManager:
         return newest_checkpoint(self.root)
 
     def maybe_resume(self, trainer: Any) -> bool:
-        """Restore ``trainer`` from the selected checkpoint, if any (collective); True when it resumed."""
-        path = self.resume_path()
+        """Restore ``trainer`` from the selected checkpoint, or the newest intact one older than it (collective);
+        True when it resumed."""
+        path, states = self._first_intact(self._candidates(), trainer)
         self._note_other_runs(0 if path is None else _step_of(path))
         if path is None:
             return False
-        for name, _ in self._roles(trainer):
-            if not os.path.isdir(os.path.join(path, name)):
-                raise ResumeError(
-                    f"checkpoint {path} has no {name} (saved by a run without one); resume it with the same roles "
-                    f"({name}.enable=false), or start fresh: trainer.resume_mode=disable or another default_local_dir"
-                )
+        state = states["trainer"]
+        try:  # first: it refuses another data order than at save (the same on every rank)
+            trainer.loader.load_state_dict(state["loader"])
+        except ValueError as err:
+            raise ResumeError(f"checkpoint {path}: {err}") from None
         for name, group in self._roles(trainer):
             mckpt.load_role(group.worker.model, group.worker.optimizer, os.path.join(path, name))
-        state = torch.load(os.path.join(path, "trainer.pt"), weights_only=False)
         trainer.step = int(state["step"])
-        trainer.loader.load_state_dict(state["loader"])
         saved_kl = state["kl_ctrl"]
         if "horizon" in saved_kl and hasattr(trainer.kl_ctrl, "horizon"):  # adaptive: only its coefficient moves;
             trainer.kl_ctrl.value = float(saved_kl["value"])  # target and horizon come from this run's config
@@ -207,15 +213,105 @@ class CheckpointManager:
             group.worker.version = state["versions"].get(name, trainer.step)
         if state.get("tracker") is not None and hasattr(trainer.tracker, "load_state_dict"):
             trainer.tracker.load_state_dict(state["tracker"])
-        rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
-        with open(os.path.join(path, "meta.json")) as f:
-            same_layout = json.load(f)["layout"] == mckpt.layout_signature()
-        if same_layout and os.path.isfile(rng_file):
-            mckpt.set_rng_state(torch.load(rng_file, weights_only=False))
+        if states["rng"] is not None:
+            mckpt.set_rng_state(states["rng"])
         self.resumed_from = path
         if dist.get_rank() == 0:
             print(f"[hybridrl] resumed from {path} (step {trainer.step})", flush=True)
         return True
+
+    def _candidates(self) -> list[str]:
+        """The selected checkpoint, then the older complete ones of its folder, newest step first."""
+        first = self.resume_path()
+        if first is None:
+            return []
+        first = os.path.normpath(first)
+        step = _step_of(first)
+        older = [f for s, f in reversed(complete_checkpoints(os.path.dirname(first))) if s < step]
+        return [first, *older]
+
+    def _first_intact(self, candidates: list[str], trainer: Any) -> tuple[str | None, dict[str, Any]]:
+        """The first candidate that passes :meth:`_check` and what it read; one line per corrupt one skipped."""
+        for i, path in enumerate(candidates):
+            problem, states = self._check(path, trainer)
+            if problem is None:
+                return path, states
+            kind, message = problem
+            if kind == "unsafe":
+                raise ResumeError(message)
+            if i + 1 == len(candidates):
+                newer = f" (the {i} newer one(s) are corrupt too)" if i else ""
+                raise ResumeError(
+                    f"no intact checkpoint to resume from: {message}{newer}; restore the file, or start fresh: "
+                    "trainer.resume_mode=disable or another trainer.default_local_dir"
+                )
+            if dist.get_rank() == 0:
+                print(f"[hybridrl] warning: checkpoint {path} is corrupt: {message}; falling back to "
+                      f"{candidates[i + 1]}", flush=True)  # fmt: skip
+        return None, {}
+
+    def _check(self, path: str, trainer: Any) -> tuple[tuple[str, str] | None, dict[str, Any]]:
+        """Check ``path`` on every rank: this rank's share of the manifest, then every file this rank will read,
+        through readers that cannot run code. Collective: all ranks get the same verdict, ``("unsafe" |
+        "corrupt", message)`` or None, and this rank's trainer / RNG states."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        problems: list[tuple[str, str]] = []
+        states: dict[str, Any] = {}
+        try:
+            manifest = read_manifest(path)
+            if manifest is None or not can_hash(manifest):
+                what = "has no manifest.json (saved by an earlier hybridrl)" if manifest is None else (
+                    f"was hashed with {manifest['hash']}, not importable here")  # fmt: skip
+                if rank == 0:
+                    print(f"[hybridrl] note: checkpoint {path} {what}: sizes and hashes not checked", flush=True)
+            problem = None if manifest is None else check_files(path, manifest, rank, world)
+            if problem:
+                problems.append(("corrupt", problem))
+        except ValueError as err:
+            problems.append(("corrupt", str(err)))
+        try:
+            self._check_roles(path, trainer)
+            states = self._read_states(path)
+        except ResumeError:
+            raise  # the same on every rank (a role the checkpoint lacks): no verdict to agree on
+        except UnsafeCheckpointError as err:
+            problems.append(("unsafe", str(err)))
+        except CorruptCheckpointError as err:
+            problems.append(("corrupt", str(err)))
+        except (OSError, ValueError, KeyError, TypeError) as err:  # a file missing, a field missing or mistyped
+            problems.append(("corrupt", f"{path} cannot be read ({type(err).__name__}: {err})"))
+        verdicts = [p for ranks in gather(problems) for p in ranks]
+        return next((p for p in verdicts if p[0] == "unsafe"), verdicts[0] if verdicts else None), states
+
+    def _check_roles(self, path: str, trainer: Any) -> None:
+        """Every role of this run is in ``path`` and its files pass the safe readers (this rank's share)."""
+        rank = dist.get_rank()
+        for name, _ in self._roles(trainer):
+            role = os.path.join(path, name)
+            if not os.path.isdir(role):
+                raise ResumeError(
+                    f"checkpoint {path} has no {name} (saved by a run without one); resume it with the same roles "
+                    f"({name}.enable=false), or start fresh: trainer.resume_mode=disable or another default_local_dir"
+                )
+            check_dist_checkpoint(os.path.join(role, "model"))
+            if os.path.isdir(os.path.join(role, "optim")):
+                check_dist_checkpoint(os.path.join(role, "optim"))
+            if os.path.isfile(os.path.join(role, f"optim_rank{rank}.pt")):
+                check_weights_only(os.path.join(role, f"optim_rank{rank}.pt"))
+
+    @staticmethod
+    def _read_states(path: str) -> dict[str, Any]:
+        """The trainer state and this rank's RNG states of ``path`` (RNG: None under another layout)."""
+        if os.path.isfile(os.path.join(path, STATE)):
+            trainer_state = _read_json(os.path.join(path, STATE))
+        else:  # an earlier hybridrl's torch.save of the same dict (numbers, strings, containers)
+            trainer_state = load_weights_only(os.path.join(path, "trainer.pt"))
+        same_layout = _read_json(os.path.join(path, "meta.json"))["layout"] == mckpt.layout_signature()
+        rng = None
+        for name in (f"rng_rank{dist.get_rank()}.safetensors", f"rng_rank{dist.get_rank()}.pt"):
+            if same_layout and rng is None and os.path.isfile(os.path.join(path, name)):
+                rng = mckpt.read_rng_state(os.path.join(path, name))
+        return {"trainer": trainer_state, "rng": rng}
 
     def _note_other_runs(self, start: int) -> None:
         """Say so when this run starts below checkpoints of an earlier run in its folder (they are kept)."""
@@ -226,6 +322,18 @@ class CheckpointManager:
                   f"resume_mode=auto will follow its newest save ({LATEST})", flush=True)  # fmt: skip
 
 
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as err:  # cut short or overwritten
+        raise CorruptCheckpointError(f"{path} cannot be read ({err}); the file is corrupt") from None
+
+
 def _step_of(path: str) -> int:
+    """The step of a checkpoint folder: from its name (global_step_N), else from its meta.json."""
+    m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    if m:
+        return int(m.group(1))
     with open(os.path.join(path, "meta.json")) as f:
         return int(json.load(f)["step"])

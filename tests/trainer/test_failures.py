@@ -3,8 +3,8 @@
 - NaN/Inf: every actor loss is poisoned, through the public extension point (a custom policy-loss file selected
   by actor.policy_loss, returning NaN): each update is skipped with a warning and the weights stay as they
   were; after trainer.max_bad_steps in a row the run saves a checkpoint and stops with a one-line error.
-- A rank dies (SIGKILL in the middle of a step): the launch ends (no hang) with a non-zero exit that names
-  the dead rank; the subprocess timeout bounds the wait.
+- A rank dies (SIGKILL in the middle of a step, from the custom scorer ``crash_scorer.py`` on rank 1): the
+  launch ends (no hang) with a non-zero exit that names the dead rank; the subprocess timeout bounds the wait.
 """
 
 from __future__ import annotations
@@ -52,9 +52,7 @@ def test_nan_steps_are_skipped_then_stop_with_checkpoint(tmp_path):
     assert "step 1 skipped its update (NaN/Inf loss or grad norm); 1/3 in a row" in log
     assert (out / "global_step_3" / "meta.json").exists()  # the checkpoint written on the way out
     # the regular save of step 2 holds step 2's count: a resume from it stops after 1 more bad step, not 2
-    import torch
-
-    saved = {n: torch.load(out / f"global_step_{n}" / "trainer.pt", weights_only=False)["bad_steps"] for n in (2, 3)}
+    saved = {n: json.loads((out / f"global_step_{n}" / "trainer_state.json").read_text())["bad_steps"] for n in (2, 3)}
     assert saved == {2: 2, 3: 3}
     steps = [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3]
@@ -63,7 +61,9 @@ def test_nan_steps_are_skipped_then_stop_with_checkpoint(tmp_path):
 
 
 def test_dead_rank_ends_the_launch(tmp_path):
-    result = _launch(tmp_path / "run", {"HYBRIDRL_TEST_KILL_AT_STEP": "1"}, "trainer.total_steps=3")
+    scorer = Path(__file__).with_name("crash_scorer.py")
+    result = _launch(tmp_path / "run", {"CRASH_SCORER_AT_CALL": "1"}, "trainer.total_steps=3",
+                     f"reward.custom.path={scorer}")  # fmt: skip
     log = result.stdout + result.stderr
     assert result.returncode != 0
     assert "Signal 9 (SIGKILL) received by PID" in log or "exitcode  : -9" in log, log[-3000:]

@@ -1,0 +1,176 @@
+"""Reading checkpoint files without running code from them: the checks every reader of a checkpoint goes through.
+
+A pickle can call any importable function while it loads, so a file planted in a checkpoint folder could run
+code on every rank at resume. What hybridrl reads therefore never goes through a full unpickler:
+
+- ``.pt`` files (optimizer state) load with ``torch.load(weights_only=True)``: torch's restricted unpickler,
+  which builds tensors, containers and numbers and refuses everything else (:func:`load_weights_only`);
+- trainer state is JSON and RNG states are safetensors + JSON (``hybridrl.mcore.checkpoint``);
+- Megatron's ``torch_dist`` folders (``model/``, ``optim/``) are checked by :func:`check_dist_checkpoint`
+  BEFORE ``dist_checkpointing.load`` sees them, because two of the readers underneath it unpickle in full:
+  ``torch.distributed.checkpoint.FileSystemReader.read_metadata`` calls ``pickle.load`` on ``.metadata``, and
+  ``DefaultLoadPlanner.load_bytes`` calls ``torch.load(weights_only=False)`` on every non-tensor item stored in
+  the ``.distcp`` files (Megatron's ``ShardedObject``: the layers' ``_extra_state``). The check unpickles
+  ``.metadata`` with an allow-list of the metadata dataclasses torch writes, loads every such item (and
+  ``common.pt``) weights-only, and accepts only the ``torch_dist`` / ``torch`` backends in ``metadata.json``.
+  Once it passes, the full unpickling that follows can only build the objects the check allowed.
+
+What this does not cover: a file swapped between the check and the load (an attacker already racing the job
+on its own file system), and the model's HF folder, which is read as safetensors and JSON only.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+from typing import Any
+
+import torch
+
+DIST_BACKENDS = {"sharded_backend": "torch_dist", "common_backend": "torch"}
+_DCP = "torch.distributed.checkpoint"
+# what torch.distributed.checkpoint (torch 2.x) pickles into .metadata: its own dataclasses and enums
+_METADATA_CLASSES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")  # fmt: skip
+_METADATA_GLOBALS = (
+    {(f"{_DCP}.metadata", name) for name in _METADATA_CLASSES}
+    | {(f"{_DCP}.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
+    | {
+        (f"{_DCP}.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+    }
+)
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds something a safe reader refuses to build (one line naming the file)."""
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file cannot be parsed (truncated, overwritten); one line naming the file."""
+
+
+def _refusal(path: str, what: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{path} holds {what}, which loading could run as code; refusing to load it. If you did not put it "
+        "there, the checkpoint folder was tampered with: resume from another checkpoint"
+    )
+
+
+def load_weights_only(path: str) -> Any:
+    """``torch.load(path, weights_only=True)`` on CPU, refusals as :class:`UnsafeCheckpointError` naming the file."""
+    with open(path, "rb") as f:
+        return _weights_only(f, path)
+
+
+def _weights_only(file: Any, path: str, what: str = "") -> Any:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "Weights only load failed" not in str(err):
+            raise _corrupt(path, err) from None
+        found = _first_global(file, err)
+        raise _refusal(path, f"{what}a Python object beyond tensors and builtins ({found})") from None
+    except (RuntimeError, EOFError, ValueError) as err:  # a cut zip archive, a truncated pickle
+        raise _corrupt(path, err) from None
+
+
+def _first_global(file: Any, err: BaseException) -> str:
+    """The refused global as ``module.name`` (torch's own message may give the bare name)."""
+    try:
+        file.seek(0)
+        return torch.serialization.get_unsafe_globals_in_checkpoint(file)[0]
+    except Exception:  # not seekable, or nothing listed: fall back to torch's message
+        found = re.search(r"GLOBAL (\S+)", str(err))
+        return found.group(1) if found else str(err).splitlines()[0]
+
+
+def _corrupt(path: str, err: BaseException) -> CorruptCheckpointError:
+    detail = str(err).splitlines()[0] if str(err) else ""
+    return CorruptCheckpointError(f"{path} cannot be read ({type(err).__name__}: {detail}); the file is corrupt")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that builds only torch's checkpoint-metadata classes (and torch dtypes)."""
+
+    def __init__(self, file: Any, path: str) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _METADATA_GLOBALS or dtype:
+            return super().find_class(module, name)
+        raise _refusal(self.path, f"the global {module}.{name} (not a torch checkpoint-metadata class)")
+
+
+def _read_metadata(folder: str) -> Any:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = os.path.join(folder, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, path).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as err:  # missing, truncated or not a pickle: say which file
+        raise _corrupt(path, err) from None
+    if not isinstance(metadata, Metadata):
+        raise _corrupt(path, TypeError(f"it holds a {type(metadata).__name__}, not checkpoint metadata"))
+    return metadata
+
+
+def check_dist_checkpoint(folder: str) -> None:
+    """Refuse a Megatron ``torch_dist`` folder whose loading would unpickle anything but data (see module docs).
+
+    Raises:
+        UnsafeCheckpointError: another backend in ``metadata.json``, a disallowed global in ``.metadata``, or a
+            non-tensor item / ``common.pt`` that the weights-only unpickler refuses; the message names the file.
+        CorruptCheckpointError: one of these files is missing or cannot be parsed.
+    """
+    config_file = os.path.join(folder, "metadata.json")
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        raise _corrupt(config_file, err) from None
+    for key, want in DIST_BACKENDS.items():
+        if config.get(key) != want:
+            raise _refusal(config_file, f"{key}={config.get(key)!r} (hybridrl writes and reads only {want!r})")
+    if os.path.isfile(os.path.join(folder, "common.pt")):
+        load_weights_only(os.path.join(folder, "common.pt"))
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = _read_metadata(folder)
+    kinds = metadata.state_dict_metadata
+    for index, info in metadata.storage_data.items():
+        if not isinstance(kinds.get(index.fqn), BytesStorageMetadata):
+            continue  # tensors: torch reads them weights-only itself
+        path = os.path.join(folder, info.relative_path)
+        if getattr(info, "transform_descriptors", None):
+            raise _refusal(path, f"the item {index.fqn} stored through transforms {info.transform_descriptors}")
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        _weights_only(io.BytesIO(data), path, what=f"in its item {index.fqn} ")
+
+
+def check_weights_only(path: str) -> None:
+    """Refuse a ``.pt`` file that :func:`load_weights_only` would refuse, without loading its tensors (it reads
+    only the pickle's globals), so that every rank can check its own files before any rank starts loading.
+
+    Raises:
+        UnsafeCheckpointError: a global outside torch's weights-only allow-list.  CorruptCheckpointError: no
+            readable ``.pt`` archive.
+    """
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as err:  # a cut or overwritten zip archive
+        raise _corrupt(path, err) from None
+    if unsafe:
+        raise _refusal(path, f"a Python object beyond tensors and builtins ({unsafe[0]})")
