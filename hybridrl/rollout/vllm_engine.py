@@ -192,7 +192,7 @@ class VLLMRolloutEngine(RolloutEngine):
         **engine_kwargs: Any,
     ) -> None:
         # The engine lives in the trainer's process (no engine-core subprocess): the hybrid engine writes
-        # into its parameters. CPU: a small KV cache (STACK.md).
+        # into its parameters. CPU: a small KV cache (docs/vllm.md).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
