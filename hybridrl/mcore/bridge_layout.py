@@ -3,7 +3,7 @@
 Pure metadata (no I/O, no process groups): the same :class:`TensorMap` list drives the import (each rank
 reads the pieces of its own shards), the export (the writer puts every gathered shard's pieces back) and
 the checkpoint validation (the HF names and shapes a config implies). Layouts, verified numerically
-against HF transformers (STACK.md), with h hidden, ng query groups (HF ``num_key_value_heads``),
+against HF transformers (tests/mcore/test_hf_parity.py), with h hidden, ng query groups (HF ``num_key_value_heads``),
 qpg = heads / ng, hd head dim, f MLP width:
 
 - ``linear_qkv`` ``[ng * (qpg + 2) * hd, h]``: rows grouped per query group ``[qpg q heads, k_g, v_g]``;

@@ -1,7 +1,7 @@
 """The CPU compatibility shims for megatron-core: the ONE place that patches torch or megatron.
 
 megatron-core assumes CUDA. On a machine without it (laptops, CI) the same code runs on gloo after these
-patches, each of which is listed in STACK.md ("megatron-core on CPU") and was checked numerically there:
+patches, each of which is listed in docs/cpu_stack.md ("Megatron-Core on CPU"):
 
 1. ``torch.cuda.current_device()`` returns ``"cpu"`` (Megatron allocates on it in ~150 places);
 2. a CPU RNG-states tracker replaces the CUDA one (attention always forks it) and activation recompute's
@@ -184,7 +184,7 @@ def seed_model_parallel(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int
 
 
 def cpu_config_overrides() -> dict[str, Any]:
-    """TransformerConfig settings required on CPU (STACK.md, shim 6; item 7 above)."""
+    """TransformerConfig settings required on CPU (item 7 above; docs/cpu_stack.md)."""
     return {
         "use_cpu_initialization": True,
         "gradient_accumulation_fusion": False,

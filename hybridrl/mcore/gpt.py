@@ -174,7 +174,7 @@ def make_config(shape: GPTShape, dtype: torch.dtype = torch.float32, **overrides
     if overrides.get("batch_p2p_comm") and not p2p_settings()["batch_p2p_comm"]:
         raise ValueError(
             "actor.megatron.batch_p2p_comm (True) gives silently wrong pipeline activations on gloo "
-            "(STACK.md); set it to null (auto) or false"
+            "(docs/cpu_stack.md); set it to null (auto) or false"
         )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -333,7 +333,7 @@ def vocab_size_of(chunks: Iterable[torch.nn.Module], required: bool = True) -> i
 def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Megatron's boolean attention mask (True = masked) of shape ``(1, 1, seq, seq)``.
 
-    Always passed explicitly: a ``None`` mask makes Megatron build one on device "cuda" (STACK.md, shim 3).
+    Always passed explicitly: a ``None`` mask makes Megatron build one on device "cuda" (docs/cpu_stack.md).
     """
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
 

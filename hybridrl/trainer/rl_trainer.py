@@ -1,4 +1,4 @@
-"""The PPO / GRPO loop: ``RLTrainer(cfg, ...).fit()`` sequences the stages of one step (DESIGN.md).
+"""The PPO / GRPO loop: ``RLTrainer(cfg, ...).fit()`` sequences the stages of one step (docs/architecture.md).
 
     prompts -> [switch to generation layout] -> vLLM responses -> rewards -> old log-probs (actor)
     -> reference log-probs / values -> KL in reward -> advantages (registry) -> critic update -> actor update

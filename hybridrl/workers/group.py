@@ -1,4 +1,4 @@
-"""Resource pools and worker groups: the seed-style API of DESIGN.md on top of SPMD processes.
+"""Resource pools and worker groups: the role API of docs/architecture.md on top of SPMD processes.
 
     pool = ResourcePool(process_on_nodes=[8, 8], use_gpu=True, max_colocate_count=1)
     actor = WorkerGroup(pool, ClassWithInitArgs(ActorRolloutWorker, config=cfg))

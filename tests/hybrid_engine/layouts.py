@@ -1,4 +1,4 @@
-"""Test-side layouts, written from STACK.md and independent of the planner: HF -> Megatron shards -> vLLM.
+"""Test-side layouts, written from docs/cpu_stack.md and independent of the planner: HF -> Megatron shards -> vLLM.
 
 Two independent spellings of each layout: tensor slicing (:func:`megatron_shards`, :func:`vllm_tensors`,
 for element-by-element simulation of small models) and index arithmetic over flat offsets
@@ -60,7 +60,7 @@ def _pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
 
 
 def megatron_shards(hf: dict, shape, tp: int, fused_norms: bool = False) -> dict[str, list[torch.Tensor]]:
-    """Megatron name -> per-TP-rank shard (replicated tensors: one entry), per STACK.md."""
+    """Megatron name -> per-TP-rank shard (replicated tensors: one entry), per docs/cpu_stack.md."""
     ng, hd = shape.num_query_groups, shape.kv_channels
     qpg = shape.num_attention_heads // ng
     out = {

@@ -2,7 +2,7 @@
 
 One 2-rank launch runs every layout (each launch costs seconds of imports): first the reference with
 TP=1 (each rank is a whole model, dp=2), then each split, loaded with the same full weights and fed the
-same micro-batches. A last case re-enables batched p2p on gloo under VPP, the setting STACK.md found to
+same micro-batches. A last case re-enables batched p2p on gloo under VPP, the setting known to
 give silently wrong losses; the test reports how far it lands from the reference, which shows the
 comparison can fail.
 """
