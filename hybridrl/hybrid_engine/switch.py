@@ -6,20 +6,19 @@ its two methods; the trainer reaches them only as the worker's registered method
 
 ``to_rollout(version)`` (training -> generation):
 
-1. PyTorch's cached device blocks go back to the driver: the engine maps its weights and KV cache outside
-   PyTorch's allocator, and the updates left activations and logits cached;
-2. the engine's weights wake up;
-3. unless the engine already holds this version of the actor, the weights are pushed: with
+1. PyTorch's cached device blocks go back to the driver (the engine maps its memory outside PyTorch's
+   allocator, and the updates left activations and logits cached), and the engine's weights wake up;
+2. unless the engine already holds this version of the actor, the weights are pushed: with
    ``weight_sync="shards"`` the :class:`~hybridrl.hybrid_engine.engine.HybridEngine` reshards straight into the
    engine's writable parameters, and tensors whose layout equals training's become views of the training tensors
    where the engine permits (``can_alias``); with ``"hf"`` full HF-layout tensors go through the engine's loader;
-4. the KV cache wakes up;
-5. what generation does not need is parked in host memory: the optimizer state (``optimizer_offload``) and the
-   actor's weights (``param_offload``, only where the engine holds its own copy of them).
+3. what generation does not need is parked in host memory: the optimizer state (``optimizer_offload``) and the
+   actor's weights (``param_offload``, only where the engine holds its own copy of them);
+4. the KV cache wakes up last, into the memory the parked state gave back.
 
-``to_training()`` (generation -> training): the weights come home; where the engine's sleep frees memory and
-``free_cache_engine`` is on, the engine sleeps at level 2 (KV cache and weights dropped, so the next
-``to_rollout`` pushes every weight); the optimizer state comes home.
+``to_training()`` (generation -> training): where the engine's sleep frees memory and ``free_cache_engine`` is on,
+the engine sleeps at level 2 (KV cache and weights dropped, so the next ``to_rollout`` pushes every weight); then
+the parked weights and optimizer state come home into the memory it freed.
 
 The engine starts in the training layout: where sleep frees memory it sleeps from the start (vLLM took
 ``gpu_memory_utilization`` of the device when it started; its dummy weights and empty KV cache are freed until the
@@ -119,33 +118,32 @@ class RolloutSwitch:
 
         Returns:
             The push's metrics (``reshard/*``: the hybrid engine's stats, ``rollout/*``: the engine's push,
-            ``timing_s/switch``), or ``{}`` when the engine already held ``version``.
+            ``timing_s/switch``: push to awake), or ``{}`` when the engine already held ``version``.
         """
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        _return_cached_blocks()
         self.rollout.wake_up(tags=[WEIGHTS])
-        metrics: dict[str, float] = {}
-        if self.pushed_version != version or self.rollout.weights_lost:
-            start = time.perf_counter()
-            metrics = self._push()
-            self.rollout.wake_up(tags=[KV_CACHE])
-            metrics["timing_s/switch"] = time.perf_counter() - start
-            self.pushed_version = version
-        else:
-            self.rollout.wake_up(tags=[KV_CACHE])
+        start = time.perf_counter()
+        pushes = self.pushed_version != version or self.rollout.weights_lost
+        metrics = self._push() if pushes else {}
+        self.pushed_version = version
         self._park()
+        # the KV cache wakes last, into the memory that the push's staging buffer and the parked state gave back
+        _return_cached_blocks()
+        self.rollout.wake_up(tags=[KV_CACHE])
+        if pushes:
+            metrics["timing_s/switch"] = time.perf_counter() - start
         return metrics
 
     def to_training(self) -> dict[str, float]:
-        """Generation -> training layout: the parked state comes home and, where sleep frees memory, the engine
-        sleeps (level 2). Returns ``{"rollout/optimizer_offload_bytes": out + back}`` with ``optimizer_offload``."""
-        if self._weights_parked:
-            move_model_weights(self.optimizer, self.model, to_host=False)
-            self._weights_parked = False
+        """Generation -> training layout: where sleep frees memory the engine sleeps (level 2), then the parked
+        state comes home into the memory it freed. Returns ``{"rollout/optimizer_offload_bytes": out + back}``
+        with ``optimizer_offload``."""
         if self.sleeps:
             self.rollout.sleep(level=2)  # KV cache and weights freed for training; the next switch pushes all
             self.pushed_version = None
+        if self._weights_parked:
+            move_model_weights(self.optimizer, self.model, to_host=False)
+            self._weights_parked = False
         if self._optimizer_parked is None:
             return {}
         device = next(iter(self.model.parameters())).device
@@ -176,6 +174,15 @@ class RolloutSwitch:
         if self.param_offload and not self.rollout.can_alias:
             move_model_weights(self.optimizer, self.model, to_host=True)
             self._weights_parked = True
+
+
+def _return_cached_blocks() -> None:
+    """Give PyTorch's cached, unused device blocks back to the driver: the engine maps its weights and KV cache
+    outside PyTorch's allocator, so memory PyTorch keeps cached (the updates' activations and logits, a freed
+    staging buffer) would be missing when the engine wakes."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def _is_number(value: Any) -> bool:
