@@ -76,6 +76,8 @@ class RolloutSwitch:
         self.param_offload, self.optimizer_offload = param_offload, optimizer_offload
         self.pushed_version: int | None = None
         """The actor version the engine holds (None: none, or dropped by a level-2 sleep)."""
+        self.generating = False
+        """Between :meth:`to_rollout` and :meth:`to_training`."""
         self._weights_parked = False
         self._optimizer_parked: int | None = None  # bytes moved out, while parked
         if self.sleeps:
@@ -120,6 +122,9 @@ class RolloutSwitch:
             The push's metrics (``reshard/*``: the hybrid engine's stats, ``rollout/*``: the engine's push,
             ``timing_s/switch``: push to awake), or ``{}`` when the engine already held ``version``.
         """
+        if self.generating:
+            raise RuntimeError("RolloutSwitch.to_rollout() while in the generation layout; call to_training() first")
+        self.generating = True
         _return_cached_blocks()
         self.rollout.wake_up(tags=[WEIGHTS])
         start = time.perf_counter()
@@ -137,7 +142,10 @@ class RolloutSwitch:
     def to_training(self) -> dict[str, float]:
         """Generation -> training layout: where sleep frees memory the engine sleeps (level 2), then the parked
         state comes home into the memory it freed. Returns ``{"rollout/optimizer_offload_bytes": out + back}``
-        with ``optimizer_offload``."""
+        with ``optimizer_offload``; a no-op in the training layout."""
+        if not self.generating:
+            return {}
+        self.generating = False
         if self.sleeps:
             self.rollout.sleep(level=2)  # KV cache and weights freed for training; the next switch pushes all
             self.pushed_version = None

@@ -155,6 +155,11 @@ def _body(rank: int, world: int, path: str) -> dict:
     switch("hf", lambda: hf.to_rollout(w.version))
     hf.to_training()
     switch("hf_unchanged", lambda: hf.to_rollout(w.version))
+    try:
+        hf.to_rollout(w.version)
+        out["twice"] = ""
+    except RuntimeError as e:  # generating already: parking twice would lose the parked state's bookkeeping
+        out["twice"] = str(e)
     hf.to_training()
     out["responses"] = list(gen.batch["responses"].shape)
     return out
@@ -184,6 +189,7 @@ def test_an_unchanged_actor_is_not_pushed_twice(ranks):
         assert [p for p, _ in r["updated"]["pushes"]] == ["load_shards"], rank
         assert r["hf"]["pushes"][0][0] == "update_weights" and r["hf_unchanged"]["pushes"] == [], rank
         assert r["hf_unchanged"]["metrics"] == {}, rank
+        assert "call to_training() first" in r["twice"], r["twice"]
 
 
 @pytest.mark.multirank
