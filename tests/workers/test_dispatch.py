@@ -39,6 +39,13 @@ class SquareWorker:
 
         return float(data.batch["x"].sum()) + dist.get_rank()  # rank 0's value wins
 
+    @register(Dispatch.ONE_TO_ALL)
+    def rank_metrics(self) -> dict[str, float]:
+        """No batch in, metrics out: the shape of the actor's weight switch (every rank runs it, rank 0 reports)."""
+        import torch.distributed as dist
+
+        return {"rank": float(dist.get_rank())}
+
     def helper(self) -> int:
         return 1
 
@@ -62,6 +69,7 @@ def _body(rank: int, world: int, tp: int, n: int) -> dict:
         "tag": list(out.non_tensor_batch["tag"]),
         "seen": group.worker.seen,
         "one_to_all": group.rank_sum(data),
+        "one_to_all_metrics": group.rank_metrics(),
         "samples": group.samples(data, 3).batch["x"].tolist(),
         "not_registered": not_registered,
     }
@@ -78,6 +86,7 @@ def test_dp_compute_splits_and_gathers():
         assert r["tag"] == [f"t{i}" for i in range(7)], rank
         assert r["seen"] == [4], rank  # each DP rank computed half of the padded batch
         assert r["one_to_all"] == sum(expected_x), rank
+        assert r["one_to_all_metrics"] == {"rank": 0.0}, rank
         # 3 rows per input: the padding row's 3 outputs are dropped, not 1 of them
         assert r["samples"] == [v for v in expected_x for _ in range(3)], rank
         assert "not a registered worker method" in r["not_registered"]
