@@ -70,6 +70,8 @@ RESUME_MODES = ("auto", "disable", "path")
 LATEST = "latest_checkpoint.txt"
 STATE = "trainer_state.json"
 TOP = "trainer"  # the part whose keys sit at the top level of trainer_state.json
+# parts that earlier hybridrl versions saved as null, and the state they resume with
+_SAVED_AS_NULL = {"tracker": lambda doc: {"step": int(doc["step"])}}  # the history ends at the checkpoint's step
 
 
 class ResumeError(ValueError):
@@ -107,10 +109,6 @@ class FolderStateful(Protocol):
 
 def _is_folder(part: Any) -> bool:
     return callable(getattr(part, "save_checkpoint", None))
-
-
-# parts that earlier hybridrl versions saved as null, and the state they resume with
-_SAVED_AS_NULL = {"tracker": lambda doc: {"step": int(doc["step"])}}  # the history ends at the checkpoint's step
 
 
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:

@@ -10,6 +10,10 @@ data-parallel ranks and gathers the results (see :mod:`hybridrl.workers.dispatch
 - :class:`CriticWorker`: ``compute_values``, ``update_critic`` (:class:`~hybridrl.algos.objectives.CriticLoss`);
 - :class:`ReferenceWorker`: ``compute_ref_log_prob``;
 - :class:`RewardModelWorker`: ``compute_rm_score`` (score at the last response token).
+
+The actor and the critic are also checkpoint parts (``save_checkpoint`` / ``check_checkpoint`` /
+``load_checkpoint`` of their folder, ``state_dict`` / ``load_state_dict`` of their update count); the frozen
+reference and reward model are rebuilt from their model paths instead.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """CheckpointManager on one gloo rank with stand-in parts (no models): rotation, the newest-save marker,
-what a resume restores from the KL controller, and a checkpoint that lacks a role this run has.
+what a resume restores from the KL controller, a checkpoint that lacks a role this run has, and one in the layout
+of earlier versions.
 
 A run restarted below an earlier run's highest step (resume_mode=disable into the same folder) used to have its
 own new checkpoint deleted by keep-last-K, which ranked folders by step, and resume_mode=auto then went back to
@@ -8,7 +9,9 @@ the earlier run. A resumed adaptive KL controller took the checkpoint's target a
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -32,6 +35,7 @@ def _body(rank: int, world: int, root: str) -> dict:
     from hybridrl.config.schema import TrainerConfig
     from hybridrl.distributed import ParallelLayout, init_model_parallel
     from hybridrl.trainer.checkpoint import LATEST, CheckpointManager, ResumeError
+    from hybridrl.trainer.tracking import Tracker
 
     init_model_parallel(ParallelLayout.from_world(world), seed=0)
     out = {}
@@ -68,6 +72,25 @@ def _body(rank: int, world: int, root: str) -> dict:
         manager("auto", _states(0, FixedKLController(0.2), critic=critic)).maybe_resume()
     except ResumeError as err:
         out["no_critic"] = str(err)
+
+    # trainer_state.json as earlier versions wrote it (tracker null, no bad-step count; no manifest): the
+    # tracker's history ends at the checkpoint's step, the loop counters get what the file has
+    legacy = os.path.join(root, "legacy", "global_step_3")
+    shutil.copytree(os.path.join(root, "global_step_3"), legacy)
+    os.remove(os.path.join(legacy, "manifest.json"))
+    with open(os.path.join(legacy, "trainer_state.json"), "w") as f:
+        json.dump({"step": 3, "loader": {"epoch": 0, "position": 3}, "kl_ctrl": {"value": 0.05}, "versions": {},
+                   "tracker": None}, f)  # fmt: skip
+    tracker = Tracker(["jsonl"], os.path.join(root, "logs"))
+    for step in range(1, 6):  # steps 4 and 5 were logged after the checkpoint
+        tracker.log({"x": float(step)}, step=step)
+    counters: dict = {}
+    states = {**_states(0, FixedKLController(0.2)), "tracker": tracker}
+    states["trainer"] = SimpleNamespace(state_dict=dict, load_state_dict=counters.update)
+    assert manager("path", states, resume_from_path=legacy).maybe_resume()
+    tracker.close()
+    with open(os.path.join(root, "logs", "metrics.jsonl")) as f:
+        out["legacy"] = (counters, [json.loads(line)["step"] for line in f])
     return out
 
 
@@ -82,10 +105,9 @@ def test_rotation_latest_and_resume_state(tmp_path):
     assert out["kl"] == (pytest.approx(0.11), 6.0, 500)
     assert out["fixed"] == 0.2
     assert out["no_critic"].startswith(f"checkpoint {root}/global_step_3 has no critic (saved by a run without one)")
+    assert out["legacy"] == ({"step": 3}, [1, 2, 3])
 
     # a crash between a save's rename and its marker: the complete folder newer than the marker wins
-    import shutil
-
     from hybridrl.config.schema import TrainerConfig
     from hybridrl.trainer.checkpoint import LATEST, CheckpointManager
 
