@@ -107,11 +107,17 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str 
 
 
 class KLController(Protocol):
-    """A KL coefficient: read ``value``, then ``update`` it with the KL measured on a batch."""
+    """A KL coefficient: read ``value``, then ``update`` it with the KL measured on a batch. A checkpoint part
+    (``state_dict`` / ``load_state_dict``): a resumed run restores only what it moved, the coefficient; settings
+    come from the resumed run's config."""
 
     value: float
 
     def update(self, current_kl: float, n_steps: int) -> None: ...
+
+    def state_dict(self) -> dict[str, float]: ...
+
+    def load_state_dict(self, state: dict[str, float]) -> None: ...
 
 
 class FixedKLController:
@@ -122,6 +128,12 @@ class FixedKLController:
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """No-op."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """No-op: a fixed coefficient is the config's, whatever a checkpoint holds."""
 
 
 class AdaptiveKLController:
@@ -140,6 +152,16 @@ class AdaptiveKLController:
         """Scale the coefficient after a batch of ``n_steps`` samples whose mean KL was ``current_kl``."""
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """The coefficient an adaptive controller steered to; target and horizon stay this run's config. A state
+        without a horizon was saved by a fixed controller: its coefficient was never steered, so the config's
+        ``kl_coef`` stays."""
+        if "horizon" in state:
+            self.value = float(state["value"])
 
 
 def make_kl_controller(cfg: KLControlConfig) -> KLController:

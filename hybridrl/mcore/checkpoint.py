@@ -45,7 +45,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hybridrl.mcore import gpt, hf_config
-from hybridrl.mcore.checkpoint_safety import CorruptCheckpointError, check_dist_checkpoint, load_weights_only
+from hybridrl.mcore.checkpoint_safety import (
+    CorruptCheckpointError,
+    check_dist_checkpoint,
+    check_weights_only,
+    load_weights_only,
+)
 from hybridrl.mcore.optimizer import MegatronOptimizer
 from hybridrl.mcore.roles import RoleModel, score_model_chunks
 
@@ -163,6 +168,22 @@ def load_role(model: RoleModel, optimizer: Any, path: str) -> bool:
     if ok.item():
         optimizer.optimizer.load_state_dict(saved["optimizer"])
     return bool(ok.item())
+
+
+def check_role(path: str) -> None:
+    """Pass every file of the role folder ``path`` that :func:`load_role` reads on this rank through the readers
+    that cannot run code (Megatron's folders, this rank's optimizer state); nothing is loaded.
+
+    Raises:
+        UnsafeCheckpointError: a file holds more than tensors and plain data.
+        CorruptCheckpointError: a file cannot be parsed.
+    """
+    check_dist_checkpoint(os.path.join(path, "model"))
+    if os.path.isdir(os.path.join(path, "optim")):
+        check_dist_checkpoint(os.path.join(path, "optim"))
+    file = os.path.join(path, f"optim_rank{dist.get_rank()}.pt")
+    if os.path.isfile(file):
+        check_weights_only(file)
 
 
 def build_from_checkpoint(role_dir: str, role: str = "actor", dtype: torch.dtype = torch.float32) -> RoleModel:

@@ -1,9 +1,27 @@
 """Trainer checkpoints: when to save, the folder's layout, atomic completion, keep-last-K and resume.
 
+The manager owns the folder; what goes in it comes from the parts the trainer hands over,
+``CheckpointManager(cfg, states={"loader": loader, "actor": actor_group, ...})`` (as torchtitan's manager takes
+``states``). A part is one of two kinds, told apart by its methods:
+
+- :class:`Stateful` (``state_dict()`` / ``load_state_dict(state)``): small, JSON-able, the same on every rank;
+  rank 0 writes it to ``trainer_state.json`` under the part's name (the data loader, the KL controller, the
+  tracker), the ``trainer`` part's keys at the top level (the loop's counters: step, bad steps);
+- :class:`FolderStateful` (``save_checkpoint`` / ``check_checkpoint`` / ``load_checkpoint`` of a path): a part
+  that writes its own folder ``<name>/``, collectively (a trained role: Megatron's sharded model, the optimizer,
+  the LR position). A folder part may be Stateful too: its state (a role's update count, ``{"version"}``) is
+  kept in ``trainer_state.json``'s ``versions``.
+
+Parts load in the order of ``states``: first a part that may refuse the checkpoint (the loader refuses another
+data order, ValueError: a one-line :class:`ResumeError` before anything is loaded), last a part whose loading
+reaches outside the process (the tracker rewrites ``metrics.jsonl``). The RNG streams (Python, NumPy, torch and
+Megatron's tracker) belong to the process, not to a part: the manager saves each rank's and restores them last,
+under the layout they were saved with only.
+
     <default_local_dir>/global_step_N/
         actor/  critic/              model, optimizer, LR position, HF config (hybridrl.mcore.checkpoint)
         rng_rank{r}.safetensors      Python / NumPy / torch / Megatron-tracker RNG states of rank r
-        trainer_state.json           step, data-loader position, KL controller, worker versions, bad steps
+        trainer_state.json           step, data-loader position, KL controller, role versions, tracker, bad steps
         manifest.json                size and hash of every file above (hybridrl.trainer.manifest)
         meta.json                    written last: step, layout (its presence marks a complete checkpoint)
     <default_local_dir>/latest_checkpoint.txt    the folder name of the newest save (rewritten after each)
@@ -37,29 +55,60 @@ import json
 import os
 import re
 import shutil
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from hybridrl.config.schema import TrainerConfig
 from hybridrl.mcore import checkpoint as mckpt
-from hybridrl.mcore.checkpoint_safety import (
-    CorruptCheckpointError,
-    UnsafeCheckpointError,
-    check_dist_checkpoint,
-    check_weights_only,
-    load_weights_only,
-)
+from hybridrl.mcore.checkpoint_safety import CorruptCheckpointError, UnsafeCheckpointError, load_weights_only
 from hybridrl.trainer.manifest import can_hash, check_files, gather, read_manifest, write_manifest
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 RESUME_MODES = ("auto", "disable", "path")
 LATEST = "latest_checkpoint.txt"
 STATE = "trainer_state.json"
+TOP = "trainer"  # the part whose keys sit at the top level of trainer_state.json
+# parts that earlier hybridrl versions saved as null, and the state they resume with
+_SAVED_AS_NULL = {"tracker": lambda doc: {"step": int(doc["step"])}}  # the history ends at the checkpoint's step
 
 
 class ResumeError(ValueError):
     """A checkpoint that cannot resume this run (one line: what differs and what to do)."""
+
+
+class Stateful(Protocol):
+    """A checkpoint part whose state is small, JSON-able and the same on every rank."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state to save (JSON types only)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; ValueError (one line) when ``state`` cannot resume this part."""
+        ...
+
+
+class FolderStateful(Protocol):
+    """A checkpoint part that writes its own folder; each method is collective (every rank calls it)."""
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write the part's files under the new folder ``path``."""
+        ...
+
+    def check_checkpoint(self, path: str) -> None:
+        """Pass every file of ``path`` this rank will load through readers that cannot run code; load nothing.
+        Raises UnsafeCheckpointError / CorruptCheckpointError (hybridrl.mcore.checkpoint_safety) or OSError."""
+        ...
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load the part from ``path`` (checked by :meth:`check_checkpoint` first)."""
+        ...
+
+
+def _is_folder(part: Any) -> bool:
+    return callable(getattr(part, "save_checkpoint", None))
 
 
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
@@ -99,50 +148,56 @@ def _write_latest(root: str, folder: str) -> None:
 
 
 class CheckpointManager:
-    """Saves and restores an :class:`~hybridrl.trainer.rl_trainer.RLTrainer`'s state (see the module docs)."""
+    """Saves and restores the parts of a trainer (see the module docs).
 
-    def __init__(self, cfg: TrainerConfig) -> None:
+    Args:
+        cfg: the ``trainer`` section (folder, frequency, keep-last-K, resume mode).
+        states: the parts by name, in load order (:class:`Stateful` or :class:`FolderStateful`); a folder part is
+            saved under its name. None: the manager only finds checkpoints (:meth:`resume_path`).
+    """
+
+    def __init__(self, cfg: TrainerConfig, states: Mapping[str, Any] | None = None) -> None:
         if cfg.resume_mode not in RESUME_MODES:
             raise ResumeError(f"trainer.resume_mode ({cfg.resume_mode!r}) must be one of {RESUME_MODES}")
         if cfg.resume_mode == "path" and not cfg.resume_from_path:
             raise ResumeError("trainer.resume_mode is 'path' but trainer.resume_from_path is null; set it")
         self.cfg = cfg
         self.root = cfg.default_local_dir
+        self.states = dict(states or {})
         self.resumed_from: str | None = None
 
     # ---- save ----------------------------------------------------------------------------------------------
-    def maybe_save(self, trainer: Any) -> str | None:
-        """Save after step ``trainer.step`` when it is a multiple of ``save_freq`` or the last step."""
-        freq, step = self.cfg.save_freq, trainer.step
+    def maybe_save(self, step: int) -> str | None:
+        """Save after ``step`` when it is a multiple of ``save_freq`` or the last step."""
+        freq = self.cfg.save_freq
         if freq <= 0 or not (step % freq == 0 or step == self.cfg.total_steps):
             return None
-        return self.save(trainer)
+        return self.save(step)
 
-    def save(self, trainer: Any) -> str:
+    def save(self, step: int) -> str:
         """Write ``global_step_<step>`` atomically (collective); returns its folder."""
         rank = dist.get_rank()
-        final = os.path.join(self.root, f"global_step_{trainer.step}")
+        final = os.path.join(self.root, f"global_step_{step}")
         tmp = final + ".tmp"
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         dist.barrier()
-        for name, group in self._roles(trainer):
-            with group.worker.resident():  # an offloaded critic is parked between its updates
-                mckpt.save_role(group.worker.model, group.worker.optimizer, os.path.join(tmp, name))
+        for name, part in self._folders():
+            part.save_checkpoint(os.path.join(tmp, name))
         mckpt.save_rng_state(os.path.join(tmp, f"rng_rank{rank}.safetensors"))
         if rank == 0:
             with open(os.path.join(tmp, STATE), "w", encoding="utf-8") as f:
-                json.dump(self._trainer_state(trainer), f, indent=1)
+                json.dump(self._trainer_state(), f, indent=1)
         dist.barrier()  # every rank's files are written
         write_manifest(tmp)
         if rank == 0:
             with open(os.path.join(tmp, "meta.json"), "w") as f:
-                json.dump({"step": trainer.step, "layout": mckpt.layout_signature()}, f)
+                json.dump({"step": step, "layout": mckpt.layout_signature()}, f)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             _write_latest(self.root, final)
-            self._prune(trainer.step)
+            self._prune(step)
             print(f"[hybridrl] checkpoint saved: {final}", flush=True)
         dist.barrier()
         return final
@@ -160,20 +215,40 @@ class CheckpointManager:
         for folder in ours[:-keep]:
             shutil.rmtree(folder, ignore_errors=True)
 
-    @staticmethod
-    def _roles(trainer: Any) -> list[tuple[str, Any]]:
-        return [(n, g) for n, g in (("actor", trainer.actor), ("critic", trainer.critic)) if g is not None]
+    def _folders(self) -> list[tuple[str, Any]]:
+        return [(name, part) for name, part in self.states.items() if _is_folder(part)]
 
-    def _trainer_state(self, trainer: Any) -> dict[str, Any]:
-        tracker = trainer.tracker.state_dict() if hasattr(trainer.tracker, "state_dict") else None
-        return {
-            "step": trainer.step,
-            "loader": trainer.loader.state_dict(),
-            "kl_ctrl": dict(vars(trainer.kl_ctrl)),
-            "versions": {name: group.worker.version for name, group in self._roles(trainer)},
-            "tracker": tracker,
-            "bad_steps": trainer.bad_steps,  # consecutive NaN/Inf steps: a resume must not reset the count
-        }
+    def _stateful(self) -> list[tuple[str, Any]]:
+        return [(name, part) for name, part in self.states.items() if hasattr(part, "state_dict")]
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """trainer_state.json: the ``trainer`` part's keys at the top level, every other Stateful part under its
+        name, the folder parts' update counts under ``versions``."""
+        doc: dict[str, Any] = {}
+        versions: dict[str, int] = {}
+        for name, part in self._stateful():
+            state = part.state_dict()
+            if _is_folder(part):
+                versions[name] = state["version"]
+            elif name == TOP:
+                doc.update(state)
+            else:
+                doc[name] = state
+        return {**doc, "versions": versions}
+
+    def _part_states(self, doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Each Stateful part's state in ``doc`` (what :meth:`_trainer_state` wrote, or an earlier hybridrl)."""
+        out = {}
+        for name, part in self._stateful():
+            if _is_folder(part):
+                out[name] = {"version": doc["versions"].get(name, int(doc["step"]))}
+            elif name == TOP:
+                out[name] = {k: v for k, v in doc.items() if k not in self.states and k != "versions"}
+            elif doc.get(name) is None and name in _SAVED_AS_NULL:
+                out[name] = _SAVED_AS_NULL[name](doc)
+            else:
+                out[name] = doc[name]
+        return out
 
     # ---- resume --------------------------------------------------------------------------------------------
     def resume_path(self) -> str | None:
@@ -190,34 +265,26 @@ class CheckpointManager:
             return path
         return newest_checkpoint(self.root)
 
-    def maybe_resume(self, trainer: Any) -> bool:
-        """Restore ``trainer`` from the selected checkpoint, or the newest intact one older than it (collective);
+    def maybe_resume(self) -> bool:
+        """Restore the parts from the selected checkpoint, or the newest intact one older than it (collective);
         True when it resumed."""
-        path, states = self._first_intact(self._candidates(), trainer)
+        path, read = self._first_intact(self._candidates())
         self._note_other_runs(0 if path is None else _step_of(path))
         if path is None:
             return False
-        state = states["trainer"]
-        try:  # first: it refuses another data order than at save (the same on every rank)
-            trainer.loader.load_state_dict(state["loader"])
-        except ValueError as err:
-            raise ResumeError(f"checkpoint {path}: {err}") from None
-        for name, group in self._roles(trainer):
-            mckpt.load_role(group.worker.model, group.worker.optimizer, os.path.join(path, name))
-        trainer.step = int(state["step"])
-        saved_kl = state["kl_ctrl"]
-        if "horizon" in saved_kl and hasattr(trainer.kl_ctrl, "horizon"):  # adaptive: only its coefficient moves;
-            trainer.kl_ctrl.value = float(saved_kl["value"])  # target and horizon come from this run's config
-        trainer.bad_steps = int(state.get("bad_steps", 0))
-        for name, group in self._roles(trainer):
-            group.worker.version = state["versions"].get(name, trainer.step)
-        if state.get("tracker") is not None and hasattr(trainer.tracker, "load_state_dict"):
-            trainer.tracker.load_state_dict(state["tracker"])
-        if states["rng"] is not None:
-            mckpt.set_rng_state(states["rng"])
+        for name, part in self.states.items():
+            if _is_folder(part):
+                part.load_checkpoint(os.path.join(path, name))
+            if name in read["parts"]:
+                try:  # the same state on every rank: all ranks refuse alike
+                    part.load_state_dict(read["parts"][name])
+                except ValueError as err:
+                    raise ResumeError(f"checkpoint {path}: {err}") from None
+        if read["rng"] is not None:
+            mckpt.set_rng_state(read["rng"])
         self.resumed_from = path
         if dist.get_rank() == 0:
-            print(f"[hybridrl] resumed from {path} (step {trainer.step})", flush=True)
+            print(f"[hybridrl] resumed from {path} (step {read['step']})", flush=True)
         return True
 
     def _candidates(self) -> list[str]:
@@ -230,12 +297,12 @@ class CheckpointManager:
         older = [f for s, f in reversed(complete_checkpoints(os.path.dirname(first))) if s < step]
         return [first, *older]
 
-    def _first_intact(self, candidates: list[str], trainer: Any) -> tuple[str | None, dict[str, Any]]:
+    def _first_intact(self, candidates: list[str]) -> tuple[str | None, dict[str, Any]]:
         """The first candidate that passes :meth:`_check` and what it read; one line per corrupt one skipped."""
         for i, path in enumerate(candidates):
-            problem, states = self._check(path, trainer)
+            problem, read = self._check(path)
             if problem is None:
-                return path, states
+                return path, read
             kind, message = problem
             if kind == "unsafe":
                 raise ResumeError(message)
@@ -250,13 +317,13 @@ class CheckpointManager:
                       f"{candidates[i + 1]}", flush=True)  # fmt: skip
         return None, {}
 
-    def _check(self, path: str, trainer: Any) -> tuple[tuple[str, str] | None, dict[str, Any]]:
+    def _check(self, path: str) -> tuple[tuple[str, str] | None, dict[str, Any]]:
         """Check ``path`` on every rank: this rank's share of the manifest, then every file this rank will read,
         through readers that cannot run code. Collective: all ranks get the same verdict, ``("unsafe" |
-        "corrupt", message)`` or None, and this rank's trainer / RNG states."""
+        "corrupt", message)`` or None, and what this rank read (:meth:`_read`)."""
         rank, world = dist.get_rank(), dist.get_world_size()
         problems: list[tuple[str, str]] = []
-        states: dict[str, Any] = {}
+        read: dict[str, Any] = {}
         try:
             manifest = read_manifest(path)
             if manifest is None or not can_hash(manifest):
@@ -270,10 +337,10 @@ class CheckpointManager:
         except ValueError as err:
             problems.append(("corrupt", str(err)))
         try:
-            self._check_roles(path, trainer)
-            states = self._read_states(path)
+            self._check_folders(path)
+            read = self._read(path)
         except ResumeError:
-            raise  # the same on every rank (a role the checkpoint lacks): no verdict to agree on
+            raise  # the same on every rank (a part the checkpoint lacks): no verdict to agree on
         except UnsafeCheckpointError as err:
             problems.append(("unsafe", str(err)))
         except CorruptCheckpointError as err:
@@ -281,37 +348,32 @@ class CheckpointManager:
         except (OSError, ValueError, KeyError, TypeError) as err:  # a file missing, a field missing or mistyped
             problems.append(("corrupt", f"{path} cannot be read ({type(err).__name__}: {err})"))
         verdicts = [p for ranks in gather(problems) for p in ranks]
-        return next((p for p in verdicts if p[0] == "unsafe"), verdicts[0] if verdicts else None), states
+        return next((p for p in verdicts if p[0] == "unsafe"), verdicts[0] if verdicts else None), read
 
-    def _check_roles(self, path: str, trainer: Any) -> None:
-        """Every role of this run is in ``path`` and its files pass the safe readers (this rank's share)."""
-        rank = dist.get_rank()
-        for name, _ in self._roles(trainer):
-            role = os.path.join(path, name)
-            if not os.path.isdir(role):
+    def _check_folders(self, path: str) -> None:
+        """Every folder part of this run is in ``path`` and its files pass the safe readers (this rank's share)."""
+        for name, part in self._folders():
+            folder = os.path.join(path, name)
+            if not os.path.isdir(folder):
                 raise ResumeError(
                     f"checkpoint {path} has no {name} (saved by a run without one); resume it with the same roles "
                     f"({name}.enable=false), or start fresh: trainer.resume_mode=disable or another default_local_dir"
                 )
-            check_dist_checkpoint(os.path.join(role, "model"))
-            if os.path.isdir(os.path.join(role, "optim")):
-                check_dist_checkpoint(os.path.join(role, "optim"))
-            if os.path.isfile(os.path.join(role, f"optim_rank{rank}.pt")):
-                check_weights_only(os.path.join(role, f"optim_rank{rank}.pt"))
+            part.check_checkpoint(folder)
 
-    @staticmethod
-    def _read_states(path: str) -> dict[str, Any]:
-        """The trainer state and this rank's RNG states of ``path`` (RNG: None under another layout)."""
+    def _read(self, path: str) -> dict[str, Any]:
+        """``{"step", "parts", "rng"}`` of ``path``: its step, the Stateful parts' states, this rank's RNG states
+        (None under another layout)."""
         if os.path.isfile(os.path.join(path, STATE)):
-            trainer_state = _read_json(os.path.join(path, STATE))
+            doc = _read_json(os.path.join(path, STATE))
         else:  # an earlier hybridrl's torch.save of the same dict (numbers, strings, containers)
-            trainer_state = load_weights_only(os.path.join(path, "trainer.pt"))
+            doc = load_weights_only(os.path.join(path, "trainer.pt"))
         same_layout = _read_json(os.path.join(path, "meta.json"))["layout"] == mckpt.layout_signature()
         rng = None
         for name in (f"rng_rank{dist.get_rank()}.safetensors", f"rng_rank{dist.get_rank()}.pt"):
             if same_layout and rng is None and os.path.isfile(os.path.join(path, name)):
                 rng = mckpt.read_rng_state(os.path.join(path, name))
-        return {"trainer": trainer_state, "rng": rng}
+        return {"step": int(doc["step"]), "parts": self._part_states(doc), "rng": rng}
 
     def _note_other_runs(self, start: int) -> None:
         """Say so when this run starts below checkpoints of an earlier run in its folder (they are kept)."""

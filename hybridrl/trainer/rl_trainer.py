@@ -76,11 +76,22 @@ class RLTrainer:
         self.step = 0
         self.bad_steps = 0
         self.rank = rank
-        self.ckpt = CheckpointManager(cfg.trainer)
-        if not self.ckpt.maybe_resume(self):
+        # checkpoint parts in load order: the loader first (it refuses another data order before anything
+        # loads), the tracker last (it rewrites metrics.jsonl); the frozen reference is rebuilt from model_path
+        roles = {name: group for name, group in (("actor", self.actor), ("critic", self.critic)) if group is not None}
+        states = {"loader": self.loader, **roles, "trainer": self, "kl_ctrl": self.kl_ctrl, "tracker": self.tracker}
+        self.ckpt = CheckpointManager(cfg.trainer, states=states)
+        if not self.ckpt.maybe_resume():
             self.tracker.start_fresh()
-        else:
-            self.tracker.resumed_at(self.step)
+
+    def state_dict(self) -> dict[str, int]:
+        """The loop's counters (a checkpoint part): steps done, and NaN/Inf steps in a row (a resume keeps the
+        count, so that ``trainer.max_bad_steps`` counts across it)."""
+        return {"step": self.step, "bad_steps": self.bad_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+        self.bad_steps = int(state.get("bad_steps", 0))  # absent from earlier hybridrl versions' checkpoints
 
     # ---- stages ------------------------------------------------------------------------------------------
     def _rollout(self, prompts: DataProto, **sampling: Any) -> tuple[DataProto, dict[str, float]]:
@@ -251,7 +262,7 @@ class RLTrainer:
             self.tracker.log(metrics, step=self.step)
             history.append(metrics)
             stop = self._count_bad_steps(metrics)  # before the save: the checkpoint holds this step's count
-            saved = self.ckpt.maybe_save(self)
+            saved = self.ckpt.maybe_save(self.step)
             if stop:
                 self._stop_bad_steps(saved)
         self.tracker.close()
@@ -272,7 +283,7 @@ class RLTrainer:
     def _stop_bad_steps(self, saved: str | None) -> None:
         """Stop the run with a checkpoint of this step (the regular one if it was just written)."""
         limit = self.cfg.trainer.max_bad_steps
-        path = saved or self.ckpt.save(self)
+        path = saved or self.ckpt.save(self.step)
         self.tracker.close()
         raise RuntimeError(
             f"trainer.max_bad_steps ({limit}) consecutive steps had NaN/Inf losses or grad norms; stopped at "

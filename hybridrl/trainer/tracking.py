@@ -8,6 +8,9 @@
 - ``tensorboard``: ``<log_dir>/tensorboard`` event files (``torch.utils.tensorboard``);
 - ``wandb``: only when the ``wandb`` package is installed (otherwise a one-line error naming the fix).
 
+A checkpoint part: :meth:`Tracker.state_dict` is the step its history ends at; loading it on resume moves the
+rows logged after that checkpoint out of ``metrics.jsonl`` (:meth:`Tracker.resumed_at`).
+
 ``StageTimer`` collects seconds per named stage of a step (``with timer("rollout"): ...``) as
 ``timing_s/<stage>`` metrics.
 """
@@ -93,6 +96,7 @@ class Tracker:
         self.active = rank == 0
         self.loggers, self.log_dir, self.total_steps = list(loggers), log_dir, total_steps
         self._start, self._start_step = time.perf_counter(), 0
+        self.last_step = 0  # the step logged last: where the history a checkpoint belongs to ends
         self._jsonl = self._tb = self._wandb = None
         if not self.active:
             return
@@ -112,6 +116,7 @@ class Tracker:
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Record ``metrics`` (scalars; others are skipped) for ``step``."""
+        self.last_step = step
         if not self.active:
             return
         scalars = {k: v for k, v in ((k, _scalar(v)) for k, v in metrics.items()) if v is not None}
@@ -162,7 +167,7 @@ class Tracker:
         resumed run logs those steps again: one row per step. Nothing is lost: the file as it was is first
         copied to ``metrics.<k>.jsonl`` (one line says so), and the new file replaces the old one atomically.
         The ETA counts from here."""
-        self._start, self._start_step = time.perf_counter(), step
+        self._start, self._start_step, self.last_step = time.perf_counter(), step, step
         if self._jsonl is None:
             return
         self._jsonl.flush()
@@ -193,10 +198,20 @@ class Tracker:
         print(f"[hybridrl] note: {path}: {'; '.join(parts)}; the file as it was is kept as "
               f"{os.path.basename(copy)}", flush=True)  # fmt: skip
 
+    def state_dict(self) -> dict[str, int]:
+        """``{"step"}``: the step logged last (a checkpoint is saved after its step's row)."""
+        return {"step": self.last_step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume the history of a checkpoint saved after step ``state["step"]`` (:meth:`resumed_at`)."""
+        self.resumed_at(int(state["step"]))
+
     def close(self) -> None:
+        """Close the sinks; a closed tracker logs nothing more."""
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+        self._jsonl = self._tb = self._wandb = None

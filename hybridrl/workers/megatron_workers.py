@@ -11,6 +11,10 @@ data-parallel ranks and gathers the results (see :mod:`hybridrl.workers.dispatch
 - :class:`CriticWorker`: ``compute_values``, ``update_critic`` (:class:`~hybridrl.algos.objectives.CriticLoss`);
 - :class:`ReferenceWorker`: ``compute_ref_log_prob``;
 - :class:`RewardModelWorker`: ``compute_rm_score`` (score at the last response token).
+
+The actor and the critic are also checkpoint parts (``save_checkpoint`` / ``check_checkpoint`` /
+``load_checkpoint`` of their folder, ``state_dict`` / ``load_state_dict`` of their update count); the frozen
+reference and reward model are rebuilt from their model paths instead.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from hybridrl.algos.objectives import ActorLoss, CriticLoss
 from hybridrl.config import RunConfig
 from hybridrl.config.checks import update_schedule
+from hybridrl.mcore import checkpoint as mckpt
 from hybridrl.mcore import compute, roles
 from hybridrl.mcore.optimizer import OptimConfig, build_optimizer, move_model_weights, move_optimizer_state
 from hybridrl.mcore.parallel_state import data_parallel_info, rollout_replica_info
@@ -95,10 +100,18 @@ def _mean_metrics(results: list[dict[str, float]]) -> dict[str, float]:
 
 
 class _TrainedRole:
-    """Mini-batch x epoch loop shared by the actor and the critic."""
+    """Mini-batch x epoch loop shared by the actor and the critic, and their checkpoint part.
+
+    As a part of a trainer checkpoint (:mod:`hybridrl.trainer.checkpoint`, through the worker group's declared
+    methods) a trained role saves its own folder, collectively: model, optimizer and LR position
+    (:func:`hybridrl.mcore.checkpoint.save_role`: Megatron's dist checkpointing writes each rank's shards, so
+    the state is files, not a dict); its small state (``state_dict``) is its update count ``version``, which
+    seeds each update's mini-batch shuffle.
+    """
 
     model: Any
     optimizer: Any
+    version: int
 
     def _setup_dp(self) -> None:
         self.dp_size, self.dp_rank, self.dp_group = data_parallel_info()
@@ -107,6 +120,30 @@ class _TrainedRole:
     def resident(self) -> Iterator[None]:
         """Weights and optimizer state on the device for the block (a checkpoint save reads them)."""
         yield
+
+    @register(Dispatch.LOCAL)
+    def save_checkpoint(self, path: str) -> None:
+        """Write model, optimizer and LR position to the new folder ``path``. Collective."""
+        with self.resident():  # an offloaded critic is parked between its updates
+            mckpt.save_role(self.model, self.optimizer, path)
+
+    @register(Dispatch.LOCAL)
+    def check_checkpoint(self, path: str) -> None:
+        """Check the files of ``path`` this rank will load (:func:`~hybridrl.mcore.checkpoint.check_role`)."""
+        mckpt.check_role(path)
+
+    @register(Dispatch.LOCAL)
+    def load_checkpoint(self, path: str) -> None:
+        """Load model, optimizer and LR position from ``path`` (before the first update). Collective."""
+        mckpt.load_role(self.model, self.optimizer, path)
+
+    @register(Dispatch.LOCAL)
+    def state_dict(self) -> dict[str, int]:
+        return {"version": self.version}
+
+    @register(Dispatch.LOCAL)
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.version = int(state["version"])
 
     def _train(
         self, data: DataProto, mini_batch: int, epochs: int, seed: int, step_fn, shuffle: bool = True

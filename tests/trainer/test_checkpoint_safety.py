@@ -191,11 +191,11 @@ def _body(rank: int, world: int, root: str) -> dict:
         dist.barrier()
         where = {"resume_mode": "auto", "default_local_dir": str(case)} if mode == "auto" else {
             "resume_mode": "path", "resume_from_path": str(case / steps[-1])}  # fmt: skip
-        manager = CheckpointManager(dataclasses.replace(trainer.cfg.trainer, **where))
+        manager = CheckpointManager(dataclasses.replace(trainer.cfg.trainer, **where), states=trainer.ckpt.states)
         console = io.StringIO()
         try:
             with contextlib.redirect_stdout(console):
-                manager.maybe_resume(trainer)
+                manager.maybe_resume()
             result = {"resumed": manager.resumed_from}
         except ResumeError as err:
             result = {"error": str(err), "kind": cli._input_error_kind(err)}

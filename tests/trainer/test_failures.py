@@ -2,7 +2,8 @@
 
 - NaN/Inf: every actor loss is poisoned, through the public extension point (a custom policy-loss file selected
   by actor.policy_loss, returning NaN): each update is skipped with a warning and the weights stay as they
-  were; after trainer.max_bad_steps in a row the run saves a checkpoint and stops with a one-line error.
+  were; after trainer.max_bad_steps in a row the run saves a checkpoint and stops with a one-line error. A resume
+  from a checkpoint two bad steps in stops after one more: the count is part of the trainer's state.
 - A rank dies (SIGKILL in the middle of a step, from the custom scorer ``crash_scorer.py`` on rank 1): the
   launch ends (no hang) with a non-zero exit that names the dead rank; the subprocess timeout bounds the wait.
 """
@@ -58,6 +59,14 @@ def test_nan_steps_are_skipped_then_stop_with_checkpoint(tmp_path):
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert all(s["actor/skipped"] == 1.0 for s in steps)
     assert steps[0]["actor/param_norm"] == steps[2]["actor/param_norm"]  # no poisoned update was applied
+
+    again = _launch(out, {}, "trainer.total_steps=5", "trainer.max_bad_steps=3", "trainer.save_freq=2",
+                    "actor.policy_loss.loss_mode=custom", f"actor.policy_loss.path={loss_file}",
+                    "trainer.resume_mode=path", f"trainer.resume_from_path={out / 'global_step_2'}")  # fmt: skip
+    log = again.stdout + again.stderr
+    assert again.returncode != 0, log[-3000:]
+    assert "step 3 skipped its update (NaN/Inf loss or grad norm); 3/3 in a row" in log  # the count went on
+    assert "consecutive steps had NaN/Inf losses or grad norms; stopped at step 3" in log
 
 
 def test_dead_rank_ends_the_launch(tmp_path):
