@@ -336,8 +336,12 @@ def check_sources(cfg: RunConfig, world: int) -> None:
 
 
 def check_world(cfg: RunConfig, world: int) -> None:
-    """The launch's world size and resources.process_on_nodes match trainer.nnodes x n_gpus_per_node."""
+    """The launch's world size and resources.process_on_nodes match trainer.nnodes x n_gpus_per_node; a
+    positive collective timeout."""
     t, nodes = cfg.trainer, cfg.resources.process_on_nodes
+    if not 0 < t.collective_timeout_s < float("inf"):  # also NaN; 0 or less fails inside torch's rendezvous
+        _fail(f"trainer.collective_timeout_s ({t.collective_timeout_s}) must be a positive number of seconds (a "
+              "dead or stopped rank ends the job after it), e.g. 600", "trainer.collective_timeout_s")  # fmt: skip
     if world != t.nnodes * t.n_gpus_per_node:
         _fail(
             f"world_size ({world}) of the launch != trainer.nnodes ({t.nnodes}) * trainer.n_gpus_per_node "

@@ -5,6 +5,12 @@ Two launchers are understood:
 - ``srun`` under Slurm without torchrun (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_JOB_NODELIST);
   the rendezvous host is the first node of the job's node list.
 With neither, the process is a single rank (world size 1) on localhost.
+
+Collective timeout: :func:`init_distributed` gives the default group ``trainer.collective_timeout_s``, and every
+group made later must wait no longer (a stopped or dead peer then ends the job in that time, not in torch's 30
+minutes): Megatron's groups and the rollout replica groups are created with :func:`collective_timeout_s`, vLLM's
+get it as engine arguments, and :func:`apply_collective_timeout` sets it on every group that exists once the
+workers are built (a group made without an explicit timeout, e.g. by a library, gets torch's default).
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hybridrl.errors import InputError
+
 DEFAULT_PORT = 29500
+_timeout_s: float | None = None  # the default group's collective timeout, once init_distributed has set it
 
 
-class LaunchError(RuntimeError):
+class LaunchError(InputError, RuntimeError):
     """The launch environment is inconsistent; the message names the variable and the fix."""
 
 
@@ -112,9 +121,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Pr
     Collectives get ``timeout_s`` so that a dead peer turns into an error instead of a silent hang.
     On CUDA, the process binds to GPU ``local_rank``.
     """
+    global _timeout_s
     penv = detect_env()
     if dist.is_initialized():
         return penv
+    if not timeout_s > 0:  # also NaN; the config checks refuse it first, this guards direct callers
+        raise LaunchError(f"collective timeout ({timeout_s}) must be a positive number of seconds")
     backend = backend or default_backend()
     if backend == "nccl":
         gpus = torch.cuda.device_count()
@@ -137,4 +149,22 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Pr
         world_size=penv.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    _timeout_s = float(timeout_s)
     return penv
+
+
+def collective_timeout_s(default: float = 600.0) -> float:
+    """The collective timeout :func:`init_distributed` gave the default group (``default`` if it did not run)."""
+    return _timeout_s if _timeout_s is not None else default
+
+
+def apply_collective_timeout(timeout_s: float | None = None) -> int:
+    """Set ``timeout_s`` (default: :func:`collective_timeout_s`) on every process group of this process; returns
+    how many. Local (no collective); groups created afterwards are not touched."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s or collective_timeout_s())
+    groups = list(c10d._world.pg_map)
+    for group in groups:
+        c10d._set_pg_timeout(timeout, group)
+    return len(groups)

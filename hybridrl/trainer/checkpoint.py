@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.config.schema import TrainerConfig
+from hybridrl.errors import InputError
 from hybridrl.mcore import checkpoint as mckpt
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -46,7 +47,7 @@ RESUME_MODES = ("auto", "disable", "path")
 LATEST = "latest_checkpoint.txt"
 
 
-class ResumeError(ValueError):
+class ResumeError(InputError, ValueError):
     """A checkpoint that cannot resume this run (one line: what differs and what to do)."""
 
 
