@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 import hybridrl
 from hybridrl.errors import InputError, is_peer_failure, report_input_error, report_peer_failure
@@ -192,13 +193,7 @@ COMMANDS = {"validate-config": cmd_validate_config, "export": cmd_export, "train
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; every command ends through the same funnel.
-
-    An :class:`~hybridrl.errors.InputError` (bad config, data, checkpoint, launch environment, scorer) is one
-    line, printed once per job (rank 0), exit status 2. A collective that a stopped or dead peer never answers
-    is one line naming that rank, and the process ends at once with status 1. Anything else is a bug: its
-    traceback is kept.
-    """
+    """Run one command, through :func:`funnel`."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
@@ -214,8 +209,19 @@ def main(argv: list[str] | None = None) -> int:
         from hybridrl import console
 
         console.install()  # before Megatron / vLLM load: their known-harmless warnings stay off the console
+    return funnel(lambda: COMMANDS[command](rest))
+
+
+def funnel(command: Callable[[], int | None]) -> int:
+    """Run ``command``; every command of the CLI ends here, and so what a user sees of an error is decided here.
+
+    An :class:`~hybridrl.errors.InputError` (bad config, data, checkpoint, launch environment, scorer) is one
+    line, printed once per job (rank 0), exit status 2. A collective that a stopped or dead peer never answers
+    is one line naming that rank, and the process ends at once with status 1. Anything else is a bug: its
+    traceback is kept.
+    """
     try:
-        return COMMANDS[command](rest)
+        return command() or 0
     except InputError as err:
         return report_input_error(err)
     except Exception as err:

@@ -155,7 +155,7 @@ def is_peer_failure(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and bool(_PEER_PATTERNS.search(str(err)))
 
 
-def silent_ranks(store: Any, rank: int, world: int, window_s: float = 5.0) -> list[int] | None:
+def silent_ranks(store: Any, rank: int, world: int, window_s: float = 3.0) -> list[int] | None:
     """Ranks that did not check in within ``window_s`` after this rank's collective failed (each failing rank
     checks in); None when the store itself does not answer (it lives in rank 0's process)."""
     import time

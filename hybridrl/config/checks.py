@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from hybridrl.config.checks_model import check_against_checkpoint, check_architecture
+from hybridrl.config.checks_values import check_finite
 from hybridrl.config.schema import (
     ADV_ESTIMATORS,
     CRITIC_ESTIMATORS,
@@ -507,6 +508,7 @@ def check_algorithm_roles(cfg: RunConfig, world: int) -> None:
 
 
 CHECKS: tuple[Callable[[RunConfig, int], None], ...] = (
+    check_finite,
     check_choices,
     check_counts,
     check_optim,

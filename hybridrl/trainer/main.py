@@ -171,15 +171,19 @@ def data_summary(cfg: RunConfig, train_ds: Any, val_ds: Any | None) -> str:
 
 
 def resolve_total_steps(cfg: RunConfig, num_prompts: int) -> int:
-    """``trainer.total_steps``; None in the config = ``total_epochs`` x full batches per epoch (set in place)."""
+    """``trainer.total_steps``; None in the config = ``total_epochs`` x full batches per epoch (set in place).
+
+    Raises:
+        ConfigError: ``data.train_batch_size`` exceeds the dataset (not one full batch per epoch).
+    """
+    per_epoch = num_prompts // cfg.data.train_batch_size
+    if per_epoch < 1:
+        raise ConfigError(
+            f"data.train_batch_size ({cfg.data.train_batch_size}) is larger than the dataset ({num_prompts} "
+            f"prompts); lower it or add data",
+            key="data.train_batch_size",
+        )
     if cfg.trainer.total_steps is None:
-        per_epoch = num_prompts // cfg.data.train_batch_size
-        if per_epoch < 1:
-            raise ConfigError(
-                f"data.train_batch_size ({cfg.data.train_batch_size}) is larger than the dataset ({num_prompts} "
-                f"prompts); lower it or add data",
-                key="data.train_batch_size",
-            )
         cfg.trainer.total_steps = cfg.trainer.total_epochs * per_epoch
     return cfg.trainer.total_steps
 

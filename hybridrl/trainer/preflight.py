@@ -81,8 +81,9 @@ def load_run_tokenizer(path: str, key: str) -> Any:
 
     try:
         return load_tokenizer(path)
-    except (FileNotFoundError, ValueError) as err:
-        raise ModelPathError(f"{key} ({path!r}): {str(err).strip()}") from err
+    except (FileNotFoundError, ValueError) as err:  # the loader's own one-line messages
+        where = key if os.fspath(path) in str(err) else f"{key} ({path!r})"
+        raise ModelPathError(f"{where}: {str(err).strip()}") from err
     except (OSError, RuntimeError) as err:  # sentencepiece / transformers on a corrupt or foreign file
         raise ModelPathError(
             f"{key} ({path!r}) cannot be loaded as a tokenizer ({_first_line(err)}); point it at an HF tokenizer "
@@ -220,7 +221,7 @@ def check_resume(cfg: RunConfig, model_path: str) -> None:
         for name in SHAPE_FIELDS:
             if name in theirs and name in ours and theirs[name] != ours[name]:
                 raise ResumeError(
-                    f"checkpoint {path} holds a {role} with {name}={theirs[name]!r} but this run builds "
-                    f"{name}={ours[name]!r} (from {source}): it was saved by a run of another model; resume it with "
-                    "that model, or start fresh: trainer.resume_mode=disable or another trainer.default_local_dir"
+                    f"checkpoint {path}: its {role} has {name}={theirs[name]!r} but this run builds {name}="
+                    f"{ours[name]!r} (from {source}): it was saved by a run of another model; resume it with that "
+                    "model, or start fresh: trainer.resume_mode=disable or another trainer.default_local_dir"
                 )
