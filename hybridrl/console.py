@@ -16,6 +16,7 @@ rank that failed first (:func:`filter_launcher`). It exits 2 when a rank reporte
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -201,8 +202,11 @@ def _condense(report: list[str]) -> str:
     host = re.search(r"host\s*:\s*(\S+)", root)
     if not rank or not code:
         return "[torchrun] a rank failed (HYBRIDRL_VERBOSE=1 shows torchrun's report)"
-    signal_name = code.group(2).split("(")[-1].rstrip(") ") if "SIG" in code.group(2) else ""
-    how = f"exit code {code.group(1)}" + (f" ({signal_name})" if signal_name else "")
+    number = int(code.group(1))
+    how = f"exit code {number}"
+    if number < 0:  # killed by a signal (torchrun reports -N)
+        with contextlib.suppress(ValueError):
+            how += f" ({signal.Signals(-number).name})"
     return (
         f"[torchrun] rank {rank.group(1)} (local rank {rank.group(2)} on {host.group(1) if host else '?'}) failed "
         f"first: {how}; torchrun stopped the others (its log above says why; HYBRIDRL_VERBOSE=1 shows torchrun's "

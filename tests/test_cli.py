@@ -299,3 +299,37 @@ def test_export_of_a_run_folder_names_its_newest_checkpoint(tmp_path):
         f"model error: {tmp_path}/actor/model not found; pass a global_step_N folder holding the actor; it holds "
         f"checkpoints: the newest is {tmp_path}/global_step_10"
     )
+
+
+def _funnel_body(rank: int, world: int) -> list[str]:
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from hybridrl.data.files import DataError
+    from hybridrl.errors import report_input_error
+
+    printed = []
+    for same in (True, False):  # every rank met the same bad input / rank 1 met its own
+        message = "t.parquet: row 3: column 'prompt' is an empty string" if same or rank == 0 else "u.parquet: no rows"
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert report_input_error(DataError(message)) == 2
+        printed.append(err.getvalue())
+        dist.barrier()
+        store = dist.distributed_c10d._get_default_store()
+        store.delete_key(f"hybridrl/input_error/{rank}")
+        dist.barrier()
+    return printed
+
+
+@pytest.mark.multirank
+def test_input_error_is_printed_once_per_job():
+    """Rank 0 prints; a rank whose error is rank 0's stays silent, one with its own error says so with its rank."""
+    from tests.multirank import run_ranks
+
+    rank0, rank1 = run_ranks(_funnel_body, 2)
+    line = "data error: t.parquet: row 3: column 'prompt' is an empty string\n"
+    assert rank0 == [line, line]
+    assert rank1 == ["", "[rank 1] data error: u.parquet: no rows\n"]

@@ -234,7 +234,7 @@ def start_summary(cfg: RunConfig, layout: ParallelLayout) -> str:
 
 def _first_last(history: list[dict[str, float]], key: str) -> str | None:
     values = [h[key] for h in history if key in h]
-    return f"{key} {values[0]:.3g} -> {values[-1]:.3g}" if values else None
+    return f"{key} {values[0]:.3f} -> {values[-1]:.3f}" if values else None
 
 
 def run_summary(cfg: RunConfig, history: list[dict[str, float]], seconds: float) -> str:
