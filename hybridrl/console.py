@@ -51,6 +51,9 @@ HARMLESS = (
              "same: the torch norm is the CPU path", cpu_only=True),
     Harmless("warning", r"full scope is deprecated\. Use empty cuda_graph_scope",
              "Megatron's own default TransformerConfig value; hybridrl captures no CUDA graphs through Megatron"),
+    Harmless("warning", r"When using async grad allreduce it is recommended to set the environment variable "
+             r"CUDA_DEVICE_MAX_CONNECTIONS", "a GPU speed hint (the launch scripts set it); nothing to order on CPU",
+             cpu_only=True),
     Harmless("warning", r"`torch\.distributed\.reduce_op` is deprecated",
              "raised by vLLM's kernel dispatcher while it inspects torch.distributed, not by a call of ours"),
     Harmless("vllm", r"The global random seed is set to",
@@ -104,7 +107,8 @@ def install(on_gpu: bool | None = None) -> bool:
     Python warnings get ``warnings.filterwarnings`` entries; loggers get a filter. vLLM would replace its
     logger's handler with its own (``dictConfig``) when an engine starts, dropping any filter on it: here it is
     told not to (``VLLM_CONFIGURE_LOGGING=0``) and its logger gets one handler, with the filter, that prints what
-    vLLM's would (its messages at ``VLLM_LOGGING_LEVEL`` and above, default INFO, on stdout).
+    vLLM's would: its messages at ``VLLM_LOGGING_LEVEL`` and above (here WARNING by default, vLLM's is INFO), on
+    stdout. A ``VLLM_LOGGING_CONFIG_PATH`` of the user's is left alone.
     """
     if verbose():
         return False
@@ -124,6 +128,8 @@ def install(on_gpu: bool | None = None) -> bool:
             continue
         _installed[name] = _Drop(patterns)
         logging.getLogger(name).addFilter(_installed[name])
+    if "VLLM_LOGGING_CONFIG_PATH" in os.environ:  # the user's own logging config for vLLM: leave it alone
+        return True
     if os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0") == "0" and "vllm" in _installed:
         _vllm_handler(_installed["vllm"])
     return True
@@ -136,7 +142,9 @@ def _vllm_handler(drop: _Drop) -> None:
                                            datefmt="%m-%d %H:%M:%S"))  # fmt: skip
     handler.addFilter(drop)
     vllm.handlers = [handler]
-    vllm.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+    # vLLM's INFO lines (engine config, a prefix-cache reset after every weight push) are its own progress, not
+    # the run's: WARNING unless VLLM_LOGGING_LEVEL says otherwise
+    vllm.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "WARNING").upper())
     vllm.propagate = False
 
 

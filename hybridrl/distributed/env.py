@@ -142,13 +142,21 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Pr
                        ("LOCAL_WORLD_SIZE", penv.local_world_size), ("MASTER_ADDR", penv.master_addr),
                        ("MASTER_PORT", penv.master_port)):  # fmt: skip
         os.environ.setdefault(key, str(value))
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{penv.master_addr}:{penv.master_port}",
-        rank=penv.rank,
-        world_size=penv.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{penv.master_addr}:{penv.master_port}",
+            rank=penv.rank,
+            world_size=penv.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except RuntimeError as err:  # DistNetworkError / DistStoreError: a port in use, a host not reached, a no-show
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise LaunchError(
+            f"rank {penv.rank} of {penv.world_size} could not join the job's rendezvous at {penv.master_addr}:"
+            f"{penv.master_port} within {timeout_s:g} s ({type(err).__name__}: {first[:200]}); check MASTER_ADDR / "
+            "MASTER_PORT (a port in use?) and that every rank was started"
+        ) from err
     _timeout_s = float(timeout_s)
     return penv
 

@@ -311,7 +311,7 @@ class RewardManager:
             failures.append((i, status, message))
         errors = sum(s == ERROR for _, s, _ in failures)
         timeouts = len(failures) - errors
-        if failures:
+        if failures and _rank() == 0:  # every rank scores the same batch: one warning per job
             row, status, message = failures[0]
             logger.warning(
                 "reward: %d errors, %d timeouts in %d samples (each scores 0); first: row %d (data_source %r, "
@@ -328,6 +328,11 @@ class RewardManager:
         mask = _response_mask(data, response_mask)
         token_level = last_token_rewards(scores, mask) if mask is not None else None
         return RewardResult(scores, token_level, metrics, failures)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _check_signature(fn: Callable[..., Any], name: str) -> None:

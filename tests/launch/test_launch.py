@@ -172,7 +172,7 @@ def _own_inputs(tmp_path: Path, rows: list[dict]) -> list[str]:
     from tests.data.tiny_tokenizers import sp_tokenizer
     from tests.mcore.hf_tiny import make_checkpoint
 
-    model = make_checkpoint("llama", str(tmp_path / "llama"), num_hidden_layers=1)
+    model = make_checkpoint("llama", str(tmp_path / "llama"), num_hidden_layers=1, hidden_size=128)
     sp_tokenizer(tmp_path / "sp")
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
     lines, block = [], False
