@@ -122,6 +122,12 @@ def cmd_validate_config(argv: list[str]) -> int:
     if args.get is not None:
         print(config_value(cfg, args.get))
         return 0
+    if args.inputs:  # before the report: a bad input is the only line printed
+        from hybridrl.trainer.preflight import check_inputs
+
+        notes = check_inputs(cfg)
+    else:
+        notes = missing_data_files(cfg)
     world = args.world_size or world_size_of(cfg)
     if not args.quiet:
         print(to_yaml(cfg))
@@ -130,12 +136,6 @@ def cmd_validate_config(argv: list[str]) -> int:
     from hybridrl.config.memory import report
 
     print(report(cfg, device_gib=args.device_gib))
-    if args.inputs:
-        from hybridrl.trainer.preflight import check_inputs
-
-        notes = check_inputs(cfg)  # an InputError ends here, in one line
-    else:
-        notes = missing_data_files(cfg)
     for line in notes:
         print(line)
     return 0
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"unknown command {command!r}; run 'hybridrl --help' for the list", file=sys.stderr)
         return 2
-    if command in ("train", "export"):
+    if command in ("train", "export") or "--inputs" in rest:  # --inputs loads Megatron to open model folders
         from hybridrl import console
 
         console.install()  # before Megatron / vLLM load: their known-harmless warnings stay off the console

@@ -184,7 +184,9 @@ _POSITIVE_OR_NULL = (
 
 
 def check_counts(cfg: RunConfig, world: int) -> None:
-    """Sizes and counts are positive; frequencies are -1 (never) or positive."""
+    """Every float is finite (:func:`check_finite`); sizes and counts are positive; frequencies are -1 (never) or
+    positive."""
+    check_finite(cfg, world)  # first: the range checks below let NaN through
     for key in _POSITIVE:
         if _get(cfg, key) < 1:
             _fail(f"{key} ({_show(_get(cfg, key))}) must be a positive integer", key)
@@ -508,7 +510,6 @@ def check_algorithm_roles(cfg: RunConfig, world: int) -> None:
 
 
 CHECKS: tuple[Callable[[RunConfig, int], None], ...] = (
-    check_finite,
     check_choices,
     check_counts,
     check_optim,

@@ -3,7 +3,7 @@ or an override such as ``actor.optim.lr=.nan``) is refused before anything runs.
 
 The range checks of :mod:`hybridrl.config.checks` compare with ``<=`` / ``<``, which NaN passes silently; and no
 field of the run config means anything at infinity (a timeout of ``.inf`` overflows torch's ``timedelta``).
-One of :data:`hybridrl.config.checks.CHECKS`, run first.
+Run by :func:`hybridrl.config.checks.check_counts`, before its range checks.
 """
 
 from __future__ import annotations

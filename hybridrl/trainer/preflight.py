@@ -173,8 +173,9 @@ def _check_vocab(cfg: RunConfig, tokenizer: Any, vocab: int, path: str) -> None:
 
 def check_inputs(cfg: RunConfig) -> list[str]:
     """Everything above in one process, without torch.distributed (``hybridrl validate-config --inputs``):
-    packages and run folder, the scorer, each data file (readable, required columns), the tokenizer, every
-    local model folder and the checkpoint to resume. A Hub name is checked by the run once it is downloaded.
+    packages and run folder, the scorer, each data file (readable, required columns, a scorer for each
+    data_source, one batch of rows), the tokenizer, every local model folder and the checkpoint to resume. A Hub
+    name is checked by the run once it is downloaded.
 
     Returns:
         Notes for what could not be checked here (one ``# note:`` line each).
@@ -186,11 +187,20 @@ def check_inputs(cfg: RunConfig) -> list[str]:
     from hybridrl.rewards import RewardManager
 
     check_environment(cfg)
-    RewardManager.from_config(cfg.reward)
+    reward = RewardManager.from_config(cfg.reward)
     if cfg.data.demo_task:
         return []  # the run makes its data, tokenizer and model
-    for path in [*cfg.data.train_files, *cfg.data.val_files]:
-        read_rows(path, required=(cfg.data.prompt_key, "data_source", "reward_model"))
+    sources, rows = set(), 0
+    for i, path in enumerate([*cfg.data.train_files, *cfg.data.val_files]):
+        columns = read_rows(path, required=(cfg.data.prompt_key, "data_source", "reward_model"))
+        sources.update(s for s in columns["data_source"] if isinstance(s, str) and s)
+        rows += len(columns["data_source"]) if i < len(cfg.data.train_files) else 0
+    if reward is not None:
+        reward.check_data_sources(sorted(sources))  # every data_source has a scorer (the rows are checked by the run)
+    if rows < cfg.data.train_batch_size:  # before prompts too long are dropped: the run can only have fewer
+        from hybridrl.trainer.main import resolve_total_steps
+
+        resolve_total_steps(cfg, rows)
     notes, hub = [], []
     for key, path, _, _ in model_folders(cfg, cfg.model.path):
         if not os.path.exists(path) and _is_hub_name(path):
