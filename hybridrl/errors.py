@@ -88,7 +88,7 @@ def _rank() -> int:
     return 0
 
 
-def _group():
+def _store():
     """The default process group's store when torch.distributed is up (imported only if torch already is)."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
@@ -109,7 +109,7 @@ def report_input_error(err: BaseException, stream: Any = None) -> int:
     """
     stream = stream or sys.stderr
     line = f"{kind_of(err)} error: {_one_line(err)}"
-    rank, store = _rank(), _group()
+    rank, store = _rank(), _store()
     if store is None:
         show = rank == 0 or kind_of(err) == "launch"
     else:
@@ -180,7 +180,7 @@ def report_peer_failure(err: BaseException, timeout_s: float | None, stream: Any
     stream = stream or sys.stderr
     dist = sys.modules["torch.distributed"]
     rank, world = dist.get_rank(), dist.get_world_size()
-    missing = silent_ranks(_group(), rank, world)
+    missing = silent_ranks(_store(), rank, world)
     waited = f" within trainer.collective_timeout_s={timeout_s:g}s" if timeout_s else ""
     cause = _one_line(re.sub(r"\[[^\]]*third_party[^\]]*\]\s*", "", str(err)))[:200]
     if missing is None:  # the store lives in rank 0's process
