@@ -1,14 +1,16 @@
 """The ``hybridrl`` command line (also ``python -m hybridrl``).
 
     hybridrl train CONFIG [key=value ...]          (under torchrun / srun: one process per device)
-    hybridrl validate-config CONFIG [key=value ...] [--world-size N] [--device-gib G] [--get KEY]
+    hybridrl validate-config CONFIG [key=value ...] [--world-size N] [--device-gib G] [--get KEY] [--inputs]
     hybridrl export CHECKPOINT OUT [--role actor] [--tp 1] [--pp 1]   (under torchrun, any number of processes)
     hybridrl version
 
 ``validate-config`` loads a config exactly as a run would (packaged name or path, overrides, every
 cross-field check), prints the resolved YAML and, per role, the parallel layout: which ranks are
 tensor/pipeline/data-parallel peers, and a memory estimate; ``--get KEY`` prints only one resolved value (the
-launch scripts read trainer.n_gpus_per_node so). ``export`` writes a checkpoint's actor (or critic) as an HF folder:
+launch scripts read trainer.n_gpus_per_node so); ``--inputs`` also opens every input the run reads before its
+models (:mod:`hybridrl.trainer.preflight`), as the launch scripts do before starting torchrun. ``export`` writes a
+checkpoint's actor (or critic) as an HF folder:
 
     torchrun --nproc-per-node N -m hybridrl export ckpts/global_step_100 hf_out [--tp N]
 """
@@ -16,16 +18,20 @@ launch scripts read trainer.n_gpus_per_node so). ``export`` writes a checkpoint'
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable
 
 import hybridrl
+from hybridrl.errors import InputError, is_peer_failure, report_input_error, report_peer_failure
 
 USAGE = """hybridrl <command> [args]
 
 commands:
   train CONFIG [key=value ...]             run PPO/GRPO (launch with torchrun --nproc-per-node N -m hybridrl train)
   validate-config CONFIG [key=value ...]   check a config, print it resolved, its parallel layouts and memory
-                                           (--get KEY: print only that resolved value)
+                                           (--get KEY: print only that resolved value; --inputs: also open the
+                                           data, tokenizer, model folders and scorer the run reads)
   export CHECKPOINT OUT [--role R] [--tp N]  write a global_step_N checkpoint's model as an HF folder
                                            (launch with torchrun --nproc-per-node N -m hybridrl export)
   version                                   print the version
@@ -86,7 +92,7 @@ def config_value(cfg, key: str) -> str:
 
 
 def cmd_validate_config(argv: list[str]) -> int:
-    from hybridrl.config import ConfigError, load_config, to_yaml, world_size_of
+    from hybridrl.config import load_config, to_yaml, world_size_of
 
     parser = argparse.ArgumentParser(prog="hybridrl validate-config", description="Check and print a run config.")
     parser.add_argument("config", help="packaged config name (e.g. ppo_llama2_7b.yaml) or path")
@@ -100,24 +106,28 @@ def cmd_validate_config(argv: list[str]) -> int:
         default=None,
         help="memory of one GPU for the estimate (H100: 80, H200: 141); default: none (CPU, or GPU of unknown size)",
     )
+    parser.add_argument(
+        "--inputs",
+        action="store_true",
+        help="also open what the run reads before building models (data files, tokenizer, local model folders, "
+        "the scorer, the loggers' packages, the run folder), as on the machine that runs it; the launch scripts do",
+    )
     args = parser.parse_intermixed_args(argv)  # options before or after the overrides
     if args.device_gib is not None and args.device_gib <= 0:
         print(
             f"--device-gib ({args.device_gib:g}) must be > 0: one GPU's memory in GiB; omit it for CPU", file=sys.stderr
         )
         return 2
-    try:
-        cfg = load_config(args.config, args.overrides, world_size=args.world_size)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides, world_size=args.world_size)
     if args.get is not None:
-        try:
-            print(config_value(cfg, args.get))
-        except ConfigError as err:
-            print(f"config error: {err}", file=sys.stderr)
-            return 2
+        print(config_value(cfg, args.get))
         return 0
+    if args.inputs:  # before the report: a bad input is the only line printed
+        from hybridrl.trainer.preflight import check_inputs
+
+        notes = check_inputs(cfg)
+    else:
+        notes = missing_data_files(cfg)
     world = args.world_size or world_size_of(cfg)
     if not args.quiet:
         print(to_yaml(cfg))
@@ -126,7 +136,7 @@ def cmd_validate_config(argv: list[str]) -> int:
     from hybridrl.config.memory import report
 
     print(report(cfg, device_gib=args.device_gib))
-    for line in missing_data_files(cfg):
+    for line in notes:
         print(line)
     return 0
 
@@ -159,29 +169,31 @@ def cmd_export(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from hybridrl.trainer.main import export
 
-    try:
-        export(args.checkpoint, args.out, role=args.role, tp=args.tp, pp=args.pp)
-    except FileNotFoundError as err:  # a wrong folder: one line per rank, not a traceback
-        print(f"export error: {err}", file=sys.stderr)
-        return 2
+    export(args.checkpoint, args.out, role=args.role, tp=args.tp, pp=args.pp)
     return 0
 
 
-def _input_error_kind(err: BaseException) -> str | None:
-    """'config' / 'launch' / 'data' / 'checkpoint' for the errors of bad input (their message is one line naming
-    the key or file and the fix); None for anything else (a bug: keep its traceback)."""
-    from hybridrl.config import ConfigError
-    from hybridrl.data.files import DataError
-    from hybridrl.distributed.env import LaunchError
+def cmd_train(argv: list[str]) -> int:
+    if not argv or argv[0].startswith("-"):
+        usage = (
+            "usage: hybridrl train CONFIG [key=value ...]   (under torchrun / srun: one process per device)\n"
+            "  CONFIG: a packaged config name (configs/) or a YAML path; key=value overrides any field, e.g.\n"
+            "  trainer.total_steps=5 'data.train_files=[train.parquet]'. Check first: hybridrl validate-config"
+        )
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        print(usage, file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
+    from hybridrl.trainer.main import train
 
-    kinds: list[tuple[type, str]] = [(ConfigError, "config"), (LaunchError, "launch"), (DataError, "data")]
-    ckpt = sys.modules.get("hybridrl.trainer.checkpoint")  # not imported yet: the error cannot come from it
-    if ckpt is not None:
-        kinds.append((ckpt.ResumeError, "checkpoint"))
-    return next((name for cls, name in kinds if isinstance(err, cls)), None)
+    train(argv[0], argv[1:])
+    return 0
+
+
+COMMANDS = {"validate-config": cmd_validate_config, "export": cmd_export, "train": cmd_train}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command, through :func:`funnel`."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
@@ -190,34 +202,35 @@ def main(argv: list[str] | None = None) -> int:
     if command in ("version", "--version"):
         print(hybridrl.__version__)
         return 0
-    if command == "validate-config":
-        return cmd_validate_config(rest)
-    if command == "export":
-        return cmd_export(rest)
-    if command == "train":
-        if not rest or rest[0].startswith("-"):
-            usage = (
-                "usage: hybridrl train CONFIG [key=value ...]   (under torchrun / srun: one process per device)\n"
-                "  CONFIG: a packaged config name (configs/) or a YAML path; key=value overrides any field, e.g.\n"
-                "  trainer.total_steps=5 'data.train_files=[train.parquet]'. Check first: hybridrl validate-config"
-            )
-            asked = bool(rest) and rest[0] in ("-h", "--help")
-            print(usage, file=sys.stdout if asked else sys.stderr)
-            return 0 if asked else 2
-        from hybridrl.trainer.main import train
+    if command not in COMMANDS:
+        print(f"unknown command {command!r}; run 'hybridrl --help' for the list", file=sys.stderr)
+        return 2
+    if command in ("train", "export") or "--inputs" in rest:  # --inputs loads Megatron to open model folders
+        from hybridrl import console
 
-        try:
-            train(rest[0], rest[1:])
-        except Exception as err:  # every rank would print the same traceback; the one-line message says it all
-            kind = _input_error_kind(err)
-            if kind is None:
-                raise
-            print(f"{kind} error: {err}", file=sys.stderr)
-            return 2
-        return 0
-    print(f"unknown command {command!r}; run 'hybridrl --help' for the list", file=sys.stderr)
-    return 2
+        console.install()  # before Megatron / vLLM load: their known-harmless warnings stay off the console
+    return funnel(lambda: COMMANDS[command](rest))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def funnel(command: Callable[[], int | None]) -> int:
+    """Run ``command``; every command of the CLI ends here, and so what a user sees of an error is decided here.
+
+    An :class:`~hybridrl.errors.InputError` (bad config, data, checkpoint, launch environment, scorer) is one
+    line, printed once per job (rank 0), exit status 2. A collective that a stopped or dead peer never answers
+    is one line naming that rank, and the process ends at once with status 1. Anything else is a bug: its
+    traceback is kept.
+    """
+    try:
+        return command() or 0
+    except InputError as err:
+        return report_input_error(err)
+    except Exception as err:
+        if not is_peer_failure(err):
+            raise
+        from hybridrl.distributed.env import collective_timeout_s
+
+        code = report_peer_failure(err, collective_timeout_s())
+        # now: a normal interpreter exit runs the libraries' exit hooks, which may wait on that same peer
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -10,6 +10,7 @@
 #   NPROC   processes (CPU ranks)                     default 2
 #   CONFIG  config name or path                       default tiny_cpu_grpo.yaml
 #   RUN_DIR run folder (demo assets, logs)            default runs/quickstart (git-ignored)
+#   HYBRIDRL_VERBOSE  1: every library warning and torchrun's own failure report  default 0
 # Extra arguments are config overrides: bash launch/quickstart.sh trainer.seed=2 trainer.total_steps=30
 set -euo pipefail
 NPROC=${NPROC:-2}
@@ -21,9 +22,16 @@ source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 cd "$HYBRIDRL_ROOT"
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# vLLM logs every engine step at INFO (prefix-cache resets after each weight push...); the progress line and
-# metrics are what matter here. VLLM_LOGGING_LEVEL=INFO bash launch/quickstart.sh shows them again.
-export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
+export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron's TP advice (a no-op on CPU); unset, it warns once per rank
 RUN_ARGS=(--standalone --nnodes 1 --nproc-per-node "$NPROC")
 JOB_ARGS=("$CONFIG" "trainer.nnodes=1" "trainer.n_gpus_per_node=$NPROC" "trainer.default_local_dir=$RUN_DIR")
-"$HYBRIDRL_VENV/bin/torchrun" "${RUN_ARGS[@]}" -m hybridrl train "${JOB_ARGS[@]}" "$@"
+
+# The config, the overrides and the run folder are checked in one process first: a mistake is one line (exit 2)
+# in seconds, before torchrun starts anything.
+"$HYBRIDRL_PY" -m hybridrl validate-config "${JOB_ARGS[@]}" "$@" --inputs --quiet >/dev/null
+# The console shows the run's own lines: each rank filters the library warnings known to be harmless here
+# (hybridrl/console.py lists them and why) and vLLM's INFO chatter (VLLM_LOGGING_LEVEL=INFO shows it), and
+# hybridrl.console condenses torchrun's own report of a failed rank to one line (exit 2 when a rank reported bad
+# input). HYBRIDRL_VERBOSE=1 shows everything.
+exec "$HYBRIDRL_PY" -m hybridrl.console run \
+  "$HYBRIDRL_VENV/bin/torchrun" "${RUN_ARGS[@]}" -m hybridrl train "${JOB_ARGS[@]}" "$@"

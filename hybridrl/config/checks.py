@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from hybridrl.config.checks_model import check_against_checkpoint, check_architecture
+from hybridrl.config.checks_values import check_finite
 from hybridrl.config.schema import (
     ADV_ESTIMATORS,
     CRITIC_ESTIMATORS,
@@ -191,7 +192,9 @@ _POSITIVE_OR_NULL = (
 
 
 def check_counts(cfg: RunConfig, world: int) -> None:
-    """Sizes and counts are positive; frequencies are -1 (never) or positive."""
+    """Every float is finite (:func:`check_finite`); sizes and counts are positive; frequencies are -1 (never) or
+    positive."""
+    check_finite(cfg, world)  # first: the range checks below let NaN through
     for key in _POSITIVE:
         if _get(cfg, key) < 1:
             _fail(f"{key} ({_show(_get(cfg, key))}) must be a positive integer", key)
@@ -354,8 +357,12 @@ def check_sources(cfg: RunConfig, world: int) -> None:
 
 
 def check_world(cfg: RunConfig, world: int) -> None:
-    """The launch's world size and resources.process_on_nodes match trainer.nnodes x n_gpus_per_node."""
+    """The launch's world size and resources.process_on_nodes match trainer.nnodes x n_gpus_per_node; a
+    positive collective timeout."""
     t, nodes = cfg.trainer, cfg.resources.process_on_nodes
+    if not 0 < t.collective_timeout_s < float("inf"):  # also NaN; 0 or less fails inside torch's rendezvous
+        _fail(f"trainer.collective_timeout_s ({t.collective_timeout_s}) must be a positive number of seconds (a "
+              "dead or stopped rank ends the job after it), e.g. 600", "trainer.collective_timeout_s")  # fmt: skip
     if world != t.nnodes * t.n_gpus_per_node:
         _fail(
             f"world_size ({world}) of the launch != trainer.nnodes ({t.nnodes}) * trainer.n_gpus_per_node "

@@ -26,8 +26,11 @@ def check_against_checkpoint(m: Any) -> None:
         return
     import json
 
-    with open(config, encoding="utf-8") as f:
-        ckpt = json.load(f)
+    try:
+        with open(config, encoding="utf-8") as f:
+            ckpt = json.load(f)
+    except (OSError, ValueError) as err:  # the memory estimate and the model builders read it too
+        _fail(f"cannot read {config} ({type(err).__name__}: {err}); fix or re-save it (model.path)", "model.path")
     for name in SHAPE_FIELDS:
         mine, theirs = getattr(m.architecture, name), ckpt.get(name)
         if mine is not None and theirs is not None and mine != theirs:

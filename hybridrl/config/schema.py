@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridrl.config.schema_roles import ActorConfig, CriticConfig, RefConfig, RolloutConfig
+from hybridrl.errors import InputError
 
 DTYPES = ("bfloat16", "float16", "float32")
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
@@ -24,7 +25,7 @@ RESUME_MODES = ("auto", "disable", "path")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A config that cannot run; the one-line message names the key, the value and the fix."""
 
     def __init__(self, message: str, key: str | None = None) -> None:

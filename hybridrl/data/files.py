@@ -15,10 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridrl.errors import InputError
+
 JSONL_SUFFIXES = (".jsonl", ".json")
 
 
-class DataError(ValueError):
+class DataError(InputError, ValueError):
     """Bad training or validation data, as the trainer reports it: one line naming the file, the row and the fix."""
 
 

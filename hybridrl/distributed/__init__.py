@@ -16,13 +16,16 @@ if TYPE_CHECKING:
     from hybridrl.distributed.env import (
         LaunchError,
         ProcessEnv,
+        apply_collective_timeout,
+        collective_timeout_s,
         default_backend,
         detect_env,
         expand_nodelist,
         init_distributed,
     )
 
-_ENV_NAMES = {"LaunchError", "ProcessEnv", "default_backend", "detect_env", "expand_nodelist", "init_distributed"}
+_ENV_NAMES = {"LaunchError", "ProcessEnv", "apply_collective_timeout", "collective_timeout_s", "default_backend",
+              "detect_env", "expand_nodelist", "init_distributed"}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
@@ -31,11 +34,13 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'hybridrl.distributed' has no attribute {name!r}")
 
 
-def init_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
-    """Initialise Megatron's process groups (and, without CUDA, the CPU shims) from ``layout``."""
+def init_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: float | None = None) -> None:
+    """Initialise Megatron's process groups (and, without CUDA, the CPU shims) from ``layout``; their collectives
+    wait ``timeout_s`` (default: the default group's, ``trainer.collective_timeout_s`` in a run)."""
+    from hybridrl.distributed.env import collective_timeout_s
     from hybridrl.mcore.parallel_state import initialize
 
-    initialize(layout, seed=seed)
+    initialize(layout, seed=seed, timeout_s=timeout_s or collective_timeout_s())
 
 
 __all__ = [
@@ -44,6 +49,8 @@ __all__ = [
     "ParallelLayout",
     "ProcessEnv",
     "RankCoords",
+    "apply_collective_timeout",
+    "collective_timeout_s",
     "default_backend",
     "detect_env",
     "expand_nodelist",

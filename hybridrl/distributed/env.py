@@ -5,6 +5,12 @@ Two launchers are understood:
 - ``srun`` under Slurm without torchrun (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_JOB_NODELIST);
   the rendezvous host is the first node of the job's node list.
 With neither, the process is a single rank (world size 1) on localhost.
+
+Collective timeout: :func:`init_distributed` gives the default group ``trainer.collective_timeout_s``, and every
+group made later must wait no longer (a stopped or dead peer then ends the job in that time, not in torch's 30
+minutes): Megatron's groups and the rollout replica groups are created with :func:`collective_timeout_s`, vLLM's
+get it as engine arguments, and :func:`apply_collective_timeout` sets it on every group that exists once the
+workers are built (a group made without an explicit timeout, e.g. by a library, gets torch's default).
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hybridrl.errors import InputError
+
 DEFAULT_PORT = 29500
+_timeout_s: float | None = None  # the default group's collective timeout, once init_distributed has set it
 
 
-class LaunchError(RuntimeError):
+class LaunchError(InputError, RuntimeError):
     """The launch environment is inconsistent; the message names the variable and the fix."""
 
 
@@ -112,9 +121,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Pr
     Collectives get ``timeout_s`` so that a dead peer turns into an error instead of a silent hang.
     On CUDA, the process binds to GPU ``local_rank``.
     """
+    global _timeout_s
     penv = detect_env()
     if dist.is_initialized():
         return penv
+    if not timeout_s > 0:  # also NaN; the config checks refuse it first, this guards direct callers
+        raise LaunchError(f"collective timeout ({timeout_s}) must be a positive number of seconds")
     backend = backend or default_backend()
     if backend == "nccl":
         gpus = torch.cuda.device_count()
@@ -130,11 +142,37 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Pr
                        ("LOCAL_WORLD_SIZE", penv.local_world_size), ("MASTER_ADDR", penv.master_addr),
                        ("MASTER_PORT", penv.master_port)):  # fmt: skip
         os.environ.setdefault(key, str(value))
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{penv.master_addr}:{penv.master_port}",
-        rank=penv.rank,
-        world_size=penv.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{penv.master_addr}:{penv.master_port}",
+            rank=penv.rank,
+            world_size=penv.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except RuntimeError as err:  # DistNetworkError / DistStoreError: a port in use, a host not reached, a no-show
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise LaunchError(
+            f"rank {penv.rank} of {penv.world_size} could not join the job's rendezvous at {penv.master_addr}:"
+            f"{penv.master_port} within {timeout_s:g} s ({type(err).__name__}: {first[:200]}); check MASTER_ADDR / "
+            "MASTER_PORT (a port in use?) and that every rank was started"
+        ) from err
+    _timeout_s = float(timeout_s)
     return penv
+
+
+def collective_timeout_s(default: float = 600.0) -> float:
+    """The collective timeout :func:`init_distributed` gave the default group (``default`` if it did not run)."""
+    return _timeout_s if _timeout_s is not None else default
+
+
+def apply_collective_timeout(timeout_s: float | None = None) -> int:
+    """Set ``timeout_s`` (default: :func:`collective_timeout_s`) on every process group of this process; returns
+    how many. Local (no collective); groups created afterwards are not touched."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s or collective_timeout_s())
+    groups = list(c10d._world.pg_map)
+    for group in groups:
+        c10d._set_pg_timeout(timeout, group)
+    return len(groups)

@@ -16,10 +16,12 @@ import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from hybridrl.errors import InputError
+
 AXES = ("tp", "cp", "dp", "pp")  # fastest to slowest
 
 
-class LayoutError(ValueError):
+class LayoutError(InputError, ValueError):
     """A parallel layout that cannot be built; the message names the numbers and the fix."""
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from hybridrl.errors import InputError
 from hybridrl.mcore.bridge_layout import Piece, TensorMap, split_pieces, vocab_pieces
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.D
 FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama"}
 
 
-class PlanError(ValueError):
+class PlanError(InputError, ValueError):
     """A reshard that cannot be planned; the message names the key, the value and the fix."""
 
 

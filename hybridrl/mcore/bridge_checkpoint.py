@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from hybridrl.errors import InputError
 from hybridrl.mcore import bridge_layout as layout
 from hybridrl.mcore.gpt import GPTShape
 from hybridrl.mcore.hf_config import check_tp
@@ -28,7 +29,7 @@ SINGLE = "model.safetensors"
 _IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError, ValueError):
     """A checkpoint that does not match the config or cannot be read; the message names the tensor and fix."""
 
 

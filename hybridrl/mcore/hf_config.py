@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hybridrl.errors import InputError
 from hybridrl.mcore import gpt
 
 # model_type -> the architectures (HF class names) whose weights the bridge maps.
@@ -32,7 +33,7 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-class HFConfigError(ValueError):
+class HFConfigError(InputError, ValueError):
     """A Hugging Face config hybridrl cannot build exactly; the message names the field and the fix."""
 
 

@@ -7,10 +7,13 @@ tracker the way ``model_parallel_cuda_manual_seed`` does on GPU.
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+from hybridrl.distributed.env import apply_collective_timeout, collective_timeout_s
 from hybridrl.distributed.layout import LayoutError, ParallelLayout
 from hybridrl.mcore import cpu_compat
 
@@ -26,10 +29,12 @@ def megatron_rank_groups(layout: ParallelLayout, axis: str) -> list[list[int]]:
     return sorted(sorted(g) for g in gen.get_ranks(_MEGATRON_AXIS[axis]))
 
 
-def initialize(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int = 10) -> None:
+def initialize(layout: ParallelLayout, seed: int = 1234, timeout_s: float = 600.0) -> None:
     """Build Megatron's process groups for ``layout`` and seed the model-parallel RNG.
 
-    Requires ``torch.distributed`` to be initialised with ``layout.world_size`` ranks.
+    Requires ``torch.distributed`` to be initialised with ``layout.world_size`` ranks. Every group's collectives
+    wait ``timeout_s`` (Megatron's own default, 30 minutes, would outlast ``trainer.collective_timeout_s``); the
+    few Megatron creates without passing its timeout get it set afterwards.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; call hybridrl.distributed.init_distributed() first")
@@ -47,9 +52,10 @@ def initialize(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int = 
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
-        distributed_timeout_minutes=timeout_minutes,
+        distributed_timeout_minutes=timeout_s / 60,  # timedelta(minutes=...) inside: a float is fine
         create_gloo_process_groups=on_cpu,
     )
+    apply_collective_timeout(timeout_s)  # also the few groups Megatron makes without its timeout
     reseed(seed)
 
 
@@ -101,5 +107,6 @@ def rollout_replica_info(rollout_tp: int) -> tuple[int, int, object]:
         return world, rank, None
     if world % rollout_tp:
         raise LayoutError(f"rollout.tp_size ({rollout_tp}) must divide the world size ({world})")
-    groups = [dist.new_group(list(range(t, world, rollout_tp))) for t in range(rollout_tp)]
+    timeout = datetime.timedelta(seconds=collective_timeout_s())
+    groups = [dist.new_group(list(range(t, world, rollout_tp)), timeout=timeout) for t in range(rollout_tp)]
     return world // rollout_tp, rank // rollout_tp, groups[rank % rollout_tp]

@@ -2,9 +2,13 @@
 
 This module owns calling scorers and turning their results into rewards. Each sample is scored by a
 :data:`~hybridrl.rewards.registry.ScoreFn`; a scorer that raises, returns something that is not a finite
-number, or runs past ``timeout_s`` gives reward 0 and is counted (``reward/errors``, ``reward/timeouts``)
-and logged, never a crash. The sequence score goes on the last valid response token: token-level scores
-``(batch, response_len)``.
+number (NaN, inf, or past float32's range), or runs past ``timeout_s`` gives reward 0 and is counted
+(``reward/errors``, ``reward/timeouts``) and logged, never a crash. A scorer that calls ``os._exit`` (or
+``sys.exit``) while it runs is one of these errors too: during a call, ``os._exit`` raises in the scorer's
+thread instead of ending the rank, and the warning names the scorer (a crash inside C code still ends the
+process). The sequence score goes on the last valid response token: token-level scores
+``(batch, response_len)``. A scorer the config names but that cannot be loaded, or that does not take
+``(data_source, solution_str, ground_truth, extra_info)``, is a :class:`ScorerError` before training starts.
 
 Timeouts without signals: each call runs in its own daemon thread (at most ``max_workers`` at once) and
 the caller stops waiting for it after ``timeout_s`` seconds from its start. This works from any thread
@@ -17,9 +21,11 @@ scorers inline (errors still caught, no timeouts).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import numbers
+import os
 import queue
 import threading
 import time
@@ -31,6 +37,7 @@ from typing import Any
 
 import torch
 
+from hybridrl.errors import InputError
 from hybridrl.protocol import DataProto
 from hybridrl.rewards.registry import (
     ScoreFn,
@@ -44,6 +51,41 @@ from hybridrl.rewards.registry import (
 logger = logging.getLogger(__name__)
 
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+class ScorerError(InputError, ValueError):
+    """The configured scorer cannot be loaded or called; the message names reward.* and the fix."""
+
+
+class ScorerExited(BaseException):
+    """A scorer called ``os._exit`` during a call (a BaseException: a scorer's ``except Exception`` keeps it)."""
+
+
+_in_scorer = threading.local()
+_real_exit = os._exit
+
+
+def _guarded_exit(code: int) -> None:
+    """``os._exit`` while hybridrl runs scorers: in a scorer call it raises :class:`ScorerExited` (reward 0, the
+    warning names the scorer), anywhere else it exits as usual."""
+    if getattr(_in_scorer, "active", False):
+        raise ScorerExited(f"the scorer called os._exit({code}), which would have ended this rank")
+    _real_exit(code)
+
+
+def _guard_exit() -> None:
+    """Install :func:`_guarded_exit` (idempotent); before a custom scorer's file is imported, so that a
+    ``from os import _exit`` in it gets the guarded one too."""
+    os._exit = _guarded_exit
+
+
+def _scorer_call(call: Callable[[], Any]) -> Any:
+    _in_scorer.active = True
+    try:
+        return call()
+    finally:
+        _in_scorer.active = False
 
 
 def run_with_timeouts(
@@ -58,11 +100,12 @@ def run_with_timeouts(
         ``("timeout", None)``.
     """
     outcomes: list[tuple[str, Any]] = [(TIMEOUT, None)] * len(calls)
+    _guard_exit()
     if timeout_s is None:
         for i, call in enumerate(calls):
             try:
-                outcomes[i] = (OK, call())
-            except (Exception, SystemExit) as err:
+                outcomes[i] = (OK, _scorer_call(call))
+            except (Exception, SystemExit, ScorerExited) as err:
                 outcomes[i] = (ERROR, err)
         return outcomes
     done: queue.SimpleQueue[tuple[int, str, Any]] = queue.SimpleQueue()
@@ -70,7 +113,7 @@ def run_with_timeouts(
 
     def target(i: int) -> None:
         try:
-            done.put((i, OK, calls[i]()))
+            done.put((i, OK, _scorer_call(calls[i])))
         except BaseException as err:  # a scorer calling sys.exit() must not take the trainer down
             done.put((i, ERROR, err))
 
@@ -91,13 +134,17 @@ def run_with_timeouts(
 
 
 def _as_score(value: Any) -> float:
-    """A scorer's result as a finite float (dicts give their "score"); raises ValueError otherwise."""
+    """A scorer's result as a finite float32 value (dicts give their "score"); raises ValueError otherwise."""
     if isinstance(value, dict):
         value = value.get("score")
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if isinstance(value, numbers.Real) and math.isfinite(float(value)):  # also numpy scalars
-        return float(value)
+    if isinstance(value, numbers.Real):  # also numpy scalars and bools
+        number = float(value)
+        if math.isfinite(number) and abs(number) <= FLOAT32_MAX:
+            return number
+        if math.isfinite(number):
+            raise ValueError(f"scorer returned {value!r}, beyond float32's range (+-{FLOAT32_MAX:.3g}); scale it")
     raise ValueError(f"scorer returned {value!r}; it must return a finite number (or a dict with 'score')")
 
 
@@ -153,6 +200,8 @@ class RewardManager:
         self.totals = {"samples": 0, "errors": 0, "timeouts": 0}
         self.fixed_scorer_name: str | None = None
         """The registered scorer that scores every row (``reward.scorer`` set to a name), else None."""
+        self.scorer_name = getattr(self.score_fn, "__qualname__", repr(self.score_fn))
+        """How the warnings name the scorer (from_config: the reward.* keys that chose it)."""
 
     @classmethod
     def from_config(cls, cfg: Any, max_workers: int = 8) -> RewardManager | None:
@@ -160,19 +209,32 @@ class RewardManager:
 
         ``scorer="auto"``: the custom function when ``custom.path`` is set, else the registry by data_source;
         a scorer name: that scorer for every sample.
+
+        Raises:
+            ScorerError: the custom file is missing, fails to import, lacks the function, or the function does
+                not take ``(data_source, solution_str, ground_truth, extra_info)``; an unknown scorer name.
         """
         if cfg.scorer is None:
             return None
-        if cfg.scorer == "auto":
-            fn = load_custom_scorer(cfg.custom.path, cfg.custom.name) if cfg.custom.path else default_compute_score
-        elif cfg.custom.path:
-            raise ValueError(
+        if cfg.scorer != "auto" and cfg.custom.path:
+            raise ScorerError(
                 f"reward.scorer ({cfg.scorer!r}) and reward.custom.path ({cfg.custom.path!r}) are both set; "
                 "set reward.scorer=auto to use the custom function, or unset custom.path"
             )
-        else:
-            fn = fixed_scorer(cfg.scorer)
+        _guard_exit()  # before the custom file runs: its `from os import _exit` binds the guarded one
+        try:
+            if cfg.scorer != "auto":
+                fn, name = fixed_scorer(cfg.scorer), f"reward.scorer {cfg.scorer!r}"
+            elif cfg.custom.path:
+                fn = load_custom_scorer(cfg.custom.path, cfg.custom.name)
+                name = f"reward.custom {cfg.custom.name!r} of {cfg.custom.path!r}"
+            else:
+                fn, name = default_compute_score, "the scorer registered for each data_source"
+        except (ValueError, OSError) as err:  # the registry's messages name the key and the fix
+            raise ScorerError(str(err)) from err
+        _check_signature(fn, name)
         manager = cls(fn, timeout_s=cfg.timeout_s, max_workers=max_workers)
+        manager.scorer_name = name
         if cfg.scorer != "auto":  # one scorer for every row
             manager.fixed_scorer_name = cfg.scorer
         return manager
@@ -249,11 +311,11 @@ class RewardManager:
             failures.append((i, status, message))
         errors = sum(s == ERROR for _, s, _ in failures)
         timeouts = len(failures) - errors
-        if failures:
+        if failures and _rank() == 0:  # every rank scores the same batch: one warning per job
             row, status, message = failures[0]
             logger.warning(
-                "reward: %d errors, %d timeouts in %d samples; first: row %d (data_source %r) %s",
-                errors, timeouts, n, row, nt["data_source"][row], message,
+                "reward: %d errors, %d timeouts in %d samples (each scores 0); first: row %d (data_source %r, "
+                "scorer %s) %s", errors, timeouts, n, row, nt["data_source"][row], self.scorer_name, message,
             )  # fmt: skip
         self.totals["samples"] += n
         self.totals["errors"] += errors
@@ -266,6 +328,27 @@ class RewardManager:
         mask = _response_mask(data, response_mask)
         token_level = last_token_rewards(scores, mask) if mask is not None else None
         return RewardResult(scores, token_level, metrics, failures)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _check_signature(fn: Callable[..., Any], name: str) -> None:
+    """``fn`` can be called as ``fn(data_source, solution_str, ground_truth, extra_info)``, else a ScorerError
+    (a scorer that takes two arguments would fail on every sample, scoring 0 all run)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check
+        return
+    try:
+        signature.bind("data_source", "solution_str", "ground_truth", None)
+    except TypeError:
+        raise ScorerError(
+            f"{name} has the signature {signature}; a scorer is called as fn(data_source, solution_str, "
+            "ground_truth, extra_info): add the missing parameters (extra_info=None)"
+        ) from None
 
 
 def _response_mask(data: DataProto, response_mask: torch.Tensor | None) -> torch.Tensor | None:

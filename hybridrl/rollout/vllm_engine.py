@@ -237,6 +237,11 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         if on_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
+        if torch.distributed.is_initialized():  # vLLM's own groups wait as long as the trainer's, not torch's 30 min
+            from hybridrl.distributed.env import collective_timeout_s
+
+            seconds = max(1, round(collective_timeout_s()))
+            kwargs.update(distributed_timeout_seconds=seconds, cpu_distributed_timeout_seconds=seconds)
         kwargs.update(engine_kwargs)
         t0 = time.perf_counter()
         try:

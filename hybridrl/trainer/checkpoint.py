@@ -61,6 +61,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from hybridrl.config.schema import TrainerConfig
+from hybridrl.errors import InputError
 from hybridrl.mcore import checkpoint as mckpt
 from hybridrl.mcore.checkpoint_safety import CorruptCheckpointError, UnsafeCheckpointError, load_weights_only
 from hybridrl.trainer.manifest import can_hash, check_files, gather, read_manifest, write_manifest
@@ -74,7 +75,7 @@ TOP = "trainer"  # the part whose keys sit at the top level of trainer_state.jso
 _SAVED_AS_NULL = {"tracker": lambda doc: {"step": int(doc["step"])}}  # the history ends at the checkpoint's step
 
 
-class ResumeError(ValueError):
+class ResumeError(InputError, ValueError):
     """A checkpoint that cannot resume this run (one line: what differs and what to do)."""
 
 

@@ -2,8 +2,10 @@
 
     torchrun --nproc-per-node 2 -m hybridrl train tiny_cpu.yaml algorithm.adv_estimator=grpo
 
-Order: launch environment -> config (every check, before any model) -> Megatron groups -> data and
-tokenizer (the demo task when ``data.demo_task``) -> role workers -> ``fit()``.
+Order: launch environment -> config (every check) -> packages, run folder and scorer
+(:mod:`hybridrl.trainer.preflight`) -> Megatron groups -> data, tokenizer and model folders (the demo task's when
+``data.demo_task``) -> role workers -> ``fit()`` -> one summary line. Every input is checked before the first
+model is built; the command line (:mod:`hybridrl.cli`) turns their errors into one line.
 """
 
 from __future__ import annotations
@@ -14,17 +16,24 @@ import json
 import os
 import re
 import shutil
+import time
 from typing import Any
 
 import torch.distributed as dist
 
-from hybridrl.config import RunConfig, load_config
+from hybridrl.config import ConfigError, RunConfig, load_config
 from hybridrl.distributed import ParallelLayout, detect_env, init_distributed, init_model_parallel
+from hybridrl.trainer.preflight import (
+    ModelPathError,
+    check_environment,
+    check_model_folders,
+    check_resume,
+    load_run_tokenizer,
+)
 
 
 def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
     """(model path, tokenizer, train files, val files); makes the demo assets first when asked."""
-    from hybridrl.data.tokenizers import load_tokenizer
     from hybridrl.rollout.vllm_engine import stop_string_tokenizer
 
     if cfg.data.demo_task:
@@ -34,7 +43,7 @@ def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
         if dist.get_rank() == 0:
             make_demo_assets(cfg, out)
         dist.barrier()
-        tokenizer = load_tokenizer(os.path.join(out, "tokenizer.model"))
+        tokenizer = load_run_tokenizer(os.path.join(out, "tokenizer.model"), "the demo task's tokenizer")
         stop_string_tokenizer(list(cfg.rollout.stop), tokenizer)
         model_path = cfg.model.path or os.path.join(out, "model")
         return model_path, tokenizer, [os.path.join(out, "train.parquet")], [os.path.join(out, "val.parquet")]
@@ -48,7 +57,8 @@ def _data(cfg: RunConfig) -> tuple[str, Any, list[str], list[str]]:
         cfg.critic.model_path = resolve_checkpoint(cfg.critic.model_path, "critic.model_path")
     if cfg.reward.model.enable and cfg.reward.model.path is not None:
         cfg.reward.model.path = resolve_checkpoint(cfg.reward.model.path, "reward.model.path")
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    key = "model.tokenizer_path" if cfg.model.tokenizer_path is not None else "model.path"
+    tokenizer = load_run_tokenizer(cfg.model.tokenizer_path or cfg.model.path, key)
     stop_string_tokenizer(list(cfg.rollout.stop), tokenizer)  # fails now, not after the models are built
     return cfg.model.path, tokenizer, list(cfg.data.train_files), list(cfg.data.val_files)
 
@@ -104,14 +114,15 @@ def resolve_checkpoint(path: str, key: str, files: bool = False) -> str:
         dist.all_gather_object(seen, here)
         if len(set(seen)) > 1:
             missing = [r for r, s in enumerate(seen) if not s]
-            raise FileNotFoundError(
+            raise ModelPathError(
                 f"{key} ({path!r}) is a folder on some nodes only (missing on ranks {missing[:8]}); put it on a "
                 "filesystem every node sees"
             )
     if here:
         return path
     if not HUB_NAME.fullmatch(path):
-        raise FileNotFoundError(f"{key} ({path!r}) is not a folder; set it to a local Hugging Face model folder")
+        what = "a file, not a folder" if os.path.exists(path) else "not a folder"
+        raise ModelPathError(f"{key} ({path!r}) is {what}; set it to a local Hugging Face model folder")
     from huggingface_hub import snapshot_download
 
     def fetch(offline: bool) -> str:
@@ -130,7 +141,7 @@ def resolve_checkpoint(path: str, key: str, files: bool = False) -> str:
         dist.destroy_process_group(group)
         error = next((e for e in errors if e is not None), None)
     if error is not None:
-        raise ValueError(
+        raise ModelPathError(
             f"{key} ({path!r}) is not a local folder and downloading it from the Hugging Face Hub failed "
             f"({error}); download it first (huggingface-cli download {path} --local-dir DIR) and set {key}=DIR"
         )
@@ -160,41 +171,92 @@ def data_summary(cfg: RunConfig, train_ds: Any, val_ds: Any | None) -> str:
 
 
 def resolve_total_steps(cfg: RunConfig, num_prompts: int) -> int:
-    """``trainer.total_steps``; None in the config = ``total_epochs`` x full batches per epoch (set in place)."""
+    """``trainer.total_steps``; None in the config = ``total_epochs`` x full batches per epoch (set in place).
+
+    Raises:
+        ConfigError: ``data.train_batch_size`` exceeds the dataset (not one full batch per epoch).
+    """
+    per_epoch = num_prompts // cfg.data.train_batch_size
+    if per_epoch < 1:
+        raise ConfigError(
+            f"data.train_batch_size ({cfg.data.train_batch_size}) is larger than the dataset ({num_prompts} "
+            f"prompts); lower it or add data",
+            key="data.train_batch_size",
+        )
     if cfg.trainer.total_steps is None:
-        per_epoch = num_prompts // cfg.data.train_batch_size
-        if per_epoch < 1:
-            raise ValueError(
-                f"data.train_batch_size ({cfg.data.train_batch_size}) is larger than the dataset ({num_prompts} "
-                f"prompts); lower it or add data"
-            )
         cfg.trainer.total_steps = cfg.trainer.total_epochs * per_epoch
     return cfg.trainer.total_steps
 
 
 def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
     """Run ``config`` with ``overrides`` in this (already launched) process; returns the metric history."""
+    from hybridrl.rewards import RewardManager
+
+    start = time.perf_counter()
     penv = detect_env()
     cfg = load_config(config, overrides, world_size=penv.world_size)  # every check before any collective
+    check_environment(cfg)  # the loggers' packages, a writable run folder
+    reward = RewardManager.from_config(cfg.reward)  # the scorer loads and takes its four arguments; None: RM only
     init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     m = cfg.actor.megatron
     layout = ParallelLayout.from_world(penv.world_size, tp=m.tp_size, pp=m.pp_size, cp=m.cp_size, vpp=m.vpp_size)
     init_model_parallel(layout, seed=cfg.trainer.seed)
 
     from hybridrl.data import RLHFDataset
-    from hybridrl.rewards import RewardManager
+    from hybridrl.distributed import apply_collective_timeout
     from hybridrl.trainer.rl_trainer import RLTrainer
 
     model_path, tokenizer, train_files, val_files = _data(cfg)
+    check_model_folders(cfg, model_path, tokenizer)  # config.json, safetensors headers, tokenizer vs vocab
+    check_resume(cfg, model_path)  # the checkpoint to resume holds models of this shape
     train_ds = RLHFDataset(train_files, tokenizer, cfg.data)  # bad data: DataError, one line (file, row, fix)
     val_ds = RLHFDataset(val_files, tokenizer, cfg.data) if val_files else None
-    reward = RewardManager.from_config(cfg.reward)  # None: only the reward model scores
     check_reward_sources(reward, train_ds, val_ds)
-    if penv.rank == 0:
-        print(f"[hybridrl] {layout.describe()}; {data_summary(cfg, train_ds, val_ds)}", flush=True)
     resolve_total_steps(cfg, len(train_ds))
+    if penv.rank == 0:
+        print(f"[hybridrl] {start_summary(cfg, layout)}; {data_summary(cfg, train_ds, val_ds)}", flush=True)
     trainer = RLTrainer(cfg, model_path, tokenizer, train_ds, val_ds, reward)
-    return trainer.fit()
+    apply_collective_timeout(cfg.trainer.collective_timeout_s)  # the groups vLLM and the workers made too
+    history = trainer.fit()
+    if penv.rank == 0:
+        print(f"[hybridrl] {run_summary(cfg, history, time.perf_counter() - start)}", flush=True)
+    return history
+
+
+def start_summary(cfg: RunConfig, layout: ParallelLayout) -> str:
+    """The first line of a run: what runs where, and the folder its outputs go to."""
+    t = cfg.trainer
+    return (
+        f"{cfg.algorithm.adv_estimator} run {t.project_name}/{t.experiment_name}: {t.total_steps} steps, "
+        f"{layout.describe()}, outputs in {t.default_local_dir}"
+    )
+
+
+def _first_last(history: list[dict[str, float]], key: str) -> str | None:
+    values = [h[key] for h in history if key in h]
+    return f"{key} {values[0]:.3f} -> {values[-1]:.3f}" if values else None
+
+
+def run_summary(cfg: RunConfig, history: list[dict[str, float]], seconds: float) -> str:
+    """The last line of a run: what it achieved (validation reward first -> last, else the training reward) and
+    where its metrics and newest checkpoint are, with the command that exports that checkpoint as an HF folder."""
+    from hybridrl.trainer.checkpoint import newest_checkpoint
+
+    t = cfg.trainer
+    steps = sum(1 for h in history if "timing_s/step" in h)
+    achieved = _first_last(history, "val/reward/mean") or _first_last(history, "reward/mean") or "no metrics"
+    where = []
+    if "jsonl" in t.loggers:
+        where.append(f"metrics {os.path.join(t.default_local_dir, 'logs', 'metrics.jsonl')}")
+    if "tensorboard" in t.loggers:
+        where.append(f"tensorboard {os.path.join(t.default_local_dir, 'logs', 'tensorboard')}")
+    ckpt = newest_checkpoint(t.default_local_dir) if os.path.isdir(t.default_local_dir) else None
+    if ckpt:
+        where.append(f"checkpoint {ckpt} (as an HF model: torchrun --nproc-per-node 1 -m hybridrl export {ckpt} "
+                     f"{os.path.join(t.default_local_dir, 'hf_model')})")  # fmt: skip
+    else:
+        where.append(f"no checkpoint (trainer.save_freq={t.save_freq})")
+    return f"done: {steps} steps in {seconds:.0f} s; {achieved}; " + "; ".join(where)
 
 
 def export(checkpoint: str, out: str, role: str = "actor", tp: int = 1, pp: int = 1) -> None:
@@ -213,7 +275,7 @@ def export(checkpoint: str, out: str, role: str = "actor", tp: int = 1, pp: int 
 
         newest = newest_checkpoint(checkpoint)  # a run folder (trainer.default_local_dir) instead of a step
         hint = f"; it holds checkpoints: the newest is {newest}" if newest else ""
-        raise FileNotFoundError(f"{role_dir}/model not found; pass a global_step_N folder holding the {role}{hint}")
+        raise ModelPathError(f"{role_dir}/model not found; pass a global_step_N folder holding the {role}{hint}")
     build_from_checkpoint(role_dir, role).export(out)
     if penv.rank == 0:
         print(f"[hybridrl] exported {role} of {checkpoint} to {out}", flush=True)

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.errors import InputError
 from hybridrl.workers.dispatch import dispatch_mode_of, dispatched, mesh_of
 
 
-class ResourceError(ValueError):
+class ResourceError(InputError, ValueError):
     """A resource pool that does not match the launch; the message names the numbers and the fix."""
 
 

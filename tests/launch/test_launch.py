@@ -159,3 +159,137 @@ def test_torchrun_launcher_trains_tiny_config(tmp_path):
     history = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1]
     assert "actor/loss" in history[0] and "critic/loss" in history[0]
+    last = result.stdout.strip().splitlines()[-1]  # what the run achieved and where its outputs are
+    assert last.startswith("[hybridrl] done: 1 steps in ") and f"; metrics {out}/logs/metrics.jsonl;" in last, last
+
+
+def _own_inputs(tmp_path: Path, rows: list[dict]) -> list[str]:
+    """``tmp_path/own.yaml`` (tiny_cpu_grpo.yaml without its model.architecture block) and the overrides of a run
+    on one's own tiny model, tokenizer and a data file of ``rows``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.data.tiny_tokenizers import sp_tokenizer
+    from tests.mcore.hf_tiny import make_checkpoint
+
+    model = make_checkpoint("llama", str(tmp_path / "llama"), num_hidden_layers=1, hidden_size=128)
+    sp_tokenizer(tmp_path / "sp")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    lines, block = [], False
+    for line in (ROOT / "configs" / "tiny_cpu_grpo.yaml").read_text().splitlines():
+        block = line.startswith("  architecture:") or (block and line.startswith("    "))
+        lines += [] if block else [line]
+    (tmp_path / "own.yaml").write_text("\n".join(lines) + "\n")
+    return [f"model.path={model}", f"model.tokenizer_path={tmp_path}/sp/sp.model", "data.demo_task=false",
+            f"data.train_files=[{tmp_path}/train.parquet]", "data.train_batch_size=8", "rollout.n=2",
+            "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=4", "actor.megatron.tp_size=1",
+            f"trainer.default_local_dir={tmp_path}/run", "trainer.loggers=[console]"]  # fmt: skip
+
+
+def _row(prompt: str) -> dict:
+    return {"prompt": prompt, "data_source": "gsm8k", "reward_model": {"ground_truth": "42"}}
+
+
+@pytest.mark.multirank
+def test_bad_input_is_one_line_and_exit_2_through_the_launcher(tmp_path):
+    """launch/torchrun.sh: a missing data file stops before torchrun starts (validate-config --inputs); a bad row,
+    which only the ranks read, stops both ranks: one line, printed once, none of torchrun's own report, exit 2."""
+    own = _own_inputs(tmp_path, [_row("What is 12 + 30?"), _row("   ")] * 8)
+    env = _env(NPROC="2", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1", CONFIG=f"{tmp_path}/own.yaml")
+    missing = _bash("torchrun.sh", *own, f"data.train_files=[{tmp_path}/nope.parquet]", env=env, timeout=300)
+    assert missing.returncode == 2, missing.stdout + missing.stderr
+    assert "[torchrun.sh]" not in missing.stderr  # nothing launched
+    assert missing.stderr.strip() == (  # the only line: the checks run before validate-config's report
+        f"data error: data file '{tmp_path}/nope.parquet' does not exist; check data.train_files / val_files"
+    )
+    ranks = _bash("torchrun.sh", *own, env=env, timeout=600)
+    console = (ranks.stdout + ranks.stderr).splitlines()
+    error = f"data error: {tmp_path}/train.parquet: row 1: column 'prompt' is an empty string"
+    assert ranks.returncode == 2, "\n".join(console[-40:])
+    assert [line for line in console if " error: " in line] == [error + "; fill the prompt or remove the row"], (
+        "\n".join(console[-40:])
+    )  # once, from rank 0
+    assert not [line for line in console if "Traceback" in line or "ChildFailedError" in line or "FAILED" in line]
+
+
+def _quickstart(tmp_path: Path, name: str, **env: str) -> list[str]:
+    """A short quickstart (2 GRPO steps, small batches): its console, stdout then stderr."""
+    overrides = ["trainer.total_steps=2", "trainer.test_freq=2", "data.train_batch_size=8", "rollout.n=2",
+                 "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8"]  # fmt: skip
+    env = _env(RUN_DIR=str(tmp_path / name), HYBRIDRL_VENV=str(Path(sys.executable).parents[1]),
+               HYBRIDRL_DEMO_WARMUP_STEPS="2", **env)  # fmt: skip
+    env.pop("MASTER_PORT", None)
+    done = _bash("quickstart.sh", *overrides, env=env, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout.splitlines() + done.stderr.splitlines()
+
+
+@pytest.mark.multirank
+def test_quickstart_console_is_the_runs_own_lines(tmp_path):
+    """The quickstart's console: none of the warnings hybridrl.console lists as harmless, the run's start line,
+    progress, validation and a last line with what it achieved and where its outputs are; with
+    HYBRIDRL_VERBOSE=1 the library warnings come back."""
+    import re
+
+    from hybridrl.console import HARMLESS
+
+    harmless = re.compile("|".join(h.pattern for h in HARMLESS))
+    quiet = _quickstart(tmp_path, "quiet")
+    noise = [line for line in quiet if harmless.search(line)]
+    assert not noise, noise
+    assert any(line.startswith("[hybridrl] grpo run hybridrl_tiny/tiny_cpu_grpo: 2 steps,") for line in quiet)
+    done = [line for line in quiet if line.startswith("[hybridrl] done: 2 steps in ")]
+    assert len(done) == 1 and re.search(r"; val/reward/mean \d\.\d+ -> \d\.\d+; metrics \S+/metrics\.jsonl; ", done[0])
+    warnings = [line for line in quiet if "WARNING" in line]
+    print(f"quickstart console: {len(quiet)} lines, {len(warnings)} WARNING lines {warnings}")
+    verbose = _quickstart(tmp_path, "verbose", HYBRIDRL_VERBOSE="1")
+    back = [line for line in verbose if harmless.search(line)]
+    assert any("set_num_threads" in line for line in back) and any("Apex" in line for line in back), back
+    print(f"HYBRIDRL_VERBOSE=1: {len(verbose)} lines, {len(back)} of the filtered warnings")
+
+
+TORCHRUN_REPORT = """\
+W1201 11:24:38.793000 7067 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 7194 closing
+E1201 11:25:08.913000 7067 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 1
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1032, in <module>
+    main()
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+hybridrl FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_11:22:11
+  host      : node7
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 1947)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 1947
+============================================================
+"""  # torchrun's report of a rank killed by the OOM killer (its shape as torch 2.13 prints it)
+
+
+def test_console_filter_condenses_torchrun_and_keeps_rank_tracebacks():
+    """hybridrl.console's launcher filter: torchrun's report becomes one line naming the rank that failed first;
+    after a rank's one-line error it is dropped; a rank's own traceback (a bug) passes through whole."""
+    import io
+
+    from hybridrl.console import filter_launcher
+
+    def run(text: str) -> tuple[int, str]:
+        out = io.StringIO()
+        return filter_launcher(io.StringIO(text), out), out.getvalue()
+
+    assert run(TORCHRUN_REPORT) == (0, "[torchrun] rank 1 (local rank 1 on node7) failed first: exit code -9 "
+                                       "(SIGKILL); torchrun stopped the others (its log above says why; "
+                                       "HYBRIDRL_VERBOSE=1 shows torchrun's report)\n")  # fmt: skip
+    assert run("data error: t.parquet: row 3: bad\n" + TORCHRUN_REPORT) == (2, "data error: t.parquet: row 3: bad\n")
+    bug = 'Traceback (most recent call last):\n  File "/x/hybridrl/trainer/main.py", line 3, in train\nKeyError: 1\n'
+    assert run(bug + TORCHRUN_REPORT)[1].startswith(bug)
+    assert run("[rank1]:[W1201 11:34:50.23 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy for x\nok\n") == (
+        0, "ok\n")  # fmt: skip

@@ -206,3 +206,53 @@ def test_demo_end_to_end_dataset_loader_and_scores(tmp_path):
     result = score_batch(batch, text, timeout_s=5.0, response_mask=(responses != tok.pad_token_id).long())
     assert result.scores.tolist() == [1.0] * 4 and result.token_level_scores.sum().item() == 4.0
     assert np.array_equal(result.token_level_scores.argmax(-1).numpy(), [len(a) - 1 for a in answers])
+
+
+def test_out_of_range_and_exiting_scorers_score_zero_and_are_named(tmp_path, caplog):
+    """A bad score counts as 0 with a warning, as the manager promises: 1e39 (past float32, used to crash the
+    step with 'value cannot be converted to type float without overflow'), inf, NaN; a scorer calling os._exit
+    (used to end the rank with its exit code, naming nothing) or sys.exit, in the threaded and the inline path."""
+    import logging
+    import os
+
+    file = tmp_path / "exits.py"
+    file.write_text(  # `from os import _exit` binds at import: the guard is in place before the file runs
+        "import os, sys\nfrom os import _exit\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == 'big':\n        return 1e39\n"
+        "    if solution_str == 'inf':\n        return float('-inf')\n"
+        "    if solution_str == 'os_exit':\n        os._exit(7)\n"
+        "    if solution_str == 'bound_exit':\n        _exit(3)\n"
+        "    if solution_str == 'sys_exit':\n        sys.exit(3)\n"
+        "    return 3e38\n"
+    )
+    texts = ["big", "inf", "os_exit", "bound_exit", "sys_exit", "fine"]
+    for timeout_s in (5.0, None):
+        config = RewardConfig(custom=CustomRewardConfig(path=str(file)), timeout_s=timeout_s or 5.0)
+        manager = RewardManager.from_config(config)
+        manager.timeout_s = timeout_s
+        with caplog.at_level(logging.WARNING, logger="hybridrl.rewards.manager"):
+            result = manager(_batch(["x"] * 6, response_mask=torch.ones(6, 2, dtype=torch.long)), texts)
+        assert result.scores.tolist() == [0.0] * 5 + [pytest.approx(3e38)], timeout_s  # float32's range is fine
+        assert result.metrics["reward/errors"] == 5
+        messages = [message for _, _, message in result.failures]
+        assert "beyond float32's range" in messages[0] and "scorer returned -inf" in messages[1]
+        assert "the scorer called os._exit(7), which would have ended this rank" in messages[2]
+        assert "os._exit(3)" in messages[3] and "SystemExit: 3" in messages[4]
+        assert f"scorer reward.custom 'compute_score' of '{file}'" in caplog.text  # the warning names the scorer
+        caplog.clear()
+    assert os.getpid() > 0  # still alive; os._exit outside a scorer call still exits (the funnel relies on it)
+    from hybridrl.rewards.manager import _guarded_exit, _real_exit
+
+    assert os._exit is _guarded_exit and _real_exit.__module__ in ("posix", "nt")
+
+
+def test_scorer_that_cannot_be_called_with_four_arguments_is_refused(tmp_path):
+    from hybridrl.rewards.manager import ScorerError
+
+    file = tmp_path / "two.py"
+    file.write_text("def compute_score(solution_str, ground_truth):\n    return 1.0\n")
+    with pytest.raises(ScorerError, match=r"has the signature \(solution_str, ground_truth\); a scorer is called"):
+        RewardManager.from_config(RewardConfig(custom=CustomRewardConfig(path=str(file))))
+    file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, *, k=1):\n    pass\n")
+    RewardManager.from_config(RewardConfig(custom=CustomRewardConfig(path=str(file))))  # extra defaults are fine
