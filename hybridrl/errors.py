@@ -4,21 +4,24 @@ Every error whose cause is the user's input (a config key, the launch environmen
 trainer checkpoint, a scorer file) derives from :class:`InputError`; its message is one line naming the key,
 file or value and the fix. The subclasses live next to the code that raises them:
 
-=================  ==========================================  ===========
-class              module                                      printed as
-=================  ==========================================  ===========
-ConfigError        hybridrl.config.schema                      config
-LayoutError        hybridrl.distributed.layout                 config
-PlanError          hybridrl.hybrid_engine.vllm_layout          config
-ResourceError      hybridrl.workers.group                      config
-LaunchError        hybridrl.distributed.env                    launch
-DataError          hybridrl.data.files                         data
-HFConfigError      hybridrl.mcore.hf_config                    model
-CheckpointError    hybridrl.mcore.bridge_checkpoint            model
-ModelPathError     hybridrl.trainer.preflight                  model
-ScorerError        hybridrl.rewards.manager                    reward
-ResumeError        hybridrl.trainer.checkpoint                 checkpoint
-=================  ==========================================  ===========
+======================  ======================================  ==========
+class                   module                                  printed as
+======================  ======================================  ==========
+ConfigError             hybridrl.config.schema                  config
+LayoutError             hybridrl.distributed.layout             config
+PlanError               hybridrl.hybrid_engine.vllm_layout      config
+ResourceError           hybridrl.workers.group                  config
+LaunchError             hybridrl.distributed.env                launch
+DataError               hybridrl.data.files                     data
+HFConfigError           hybridrl.mcore.hf_config                model
+CheckpointError         hybridrl.mcore.bridge_checkpoint        model
+ModelPathError          hybridrl.trainer.preflight              model
+ScorerError             hybridrl.rewards.manager                reward
+ResumeError             hybridrl.trainer.checkpoint             checkpoint
+UnsafeCheckpointError   hybridrl.mcore.checkpoint_safety        checkpoint
+CorruptCheckpointError  hybridrl.mcore.checkpoint_safety        checkpoint
+TrainingStoppedError    hybridrl.trainer.rl_trainer             training
+======================  ======================================  ==========
 
 The funnel (:func:`report_input_error`, used by the command line for every command) prints
 ``<kind> error: <message>`` ONCE per job, on rank 0 (a rank whose error differs from rank 0's prints it too,
@@ -58,6 +61,9 @@ _KINDS = {
     "ModelPathError": "model",
     "ScorerError": "reward",
     "ResumeError": "checkpoint",
+    "UnsafeCheckpointError": "checkpoint",
+    "CorruptCheckpointError": "checkpoint",
+    "TrainingStoppedError": "training",
 }
 KINDS = (*dict.fromkeys(_KINDS.values()), "input")
 """The words an input error line starts with (``<kind> error: ...``); the launchers' console filter keys on them."""

@@ -145,9 +145,10 @@ def _scorer(source: str | None, name="compute_score", scorer="auto"):
     return build
 
 
-def _val_source(source: str = "gsm8k", **columns):
-    """A training file the registry scores, a validation file whose row is ``_row(data_source=source, **columns)``
-    (a data_source the registry does not know, a reward_model without a ground truth)."""
+def _val_source(source: str = "gsm8k", train_row=None, **columns):
+    """A training file the registry scores (or whose row is ``train_row``), a validation file whose row is
+    ``_row(data_source=source, **columns)`` (a data_source the registry does not know, a reward_model without a
+    ground truth), checked as ``hybridrl train`` checks them before building models."""
 
     def build(tmp, assets):
         import pyarrow as pa
@@ -158,7 +159,7 @@ def _val_source(source: str = "gsm8k", **columns):
         from hybridrl.rewards import RewardManager
         from hybridrl.trainer.main import check_reward_sources
 
-        for name, row in (("train", _row()), ("val", _row(data_source=source, **columns))):
+        for name, row in (("train", train_row or _row()), ("val", _row(data_source=source, **columns))):
             pq.write_table(pa.Table.from_pylist([row]), tmp / f"{name}.parquet")
         train, val = (RLHFDataset([tmp / f"{n}.parquet"], assets.tokenizer) for n in ("train", "val"))
         return lambda: check_reward_sources(RewardManager.from_config(RewardConfig()), train, val)
@@ -307,8 +308,8 @@ CASES = [
     _case("data-missing-prompt-column",
           _data([{"question": "hi", "data_source": "gsm8k", "reward_model": {"ground_truth": "1"}}]), DataError,
           "<tmp>/train.parquet: missing column 'prompt' (has ['data_source', 'question', 'reward_model'])"),
-    _case("data-missing-data-source", _data([{"prompt": "hi", "reward_model": {"ground_truth": "1"}}]),
-          DataError, "<tmp>/train.parquet: missing column 'data_source'", "add the column to the file"),
+    _case("data-missing-data-source", _val_source(train_row={"prompt": "hi", "reward_model": {"ground_truth": "1"}}),
+          DataError, "have no reward scorer", "add a 'data_source' column naming one of ["),
     _case("data-empty-prompt-row", _data([_row("2 + 2?"), _row("   ")]), DataError,
           "<tmp>/train.parquet: row 1: column 'prompt' is an empty string; fill the prompt or remove the row"),
     _case("data-empty-data-source", _data([_row(data_source="")]), DataError,

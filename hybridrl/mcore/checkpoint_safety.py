@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from hybridrl.errors import InputError
+
 DIST_BACKENDS = {"sharded_backend": "torch_dist", "common_backend": "torch"}
 _DCP = "torch.distributed.checkpoint"
 # what torch.distributed.checkpoint (torch 2.x) pickles into .metadata: its own dataclasses and enums
@@ -47,11 +49,11 @@ _METADATA_GLOBALS = (
 )
 
 
-class UnsafeCheckpointError(ValueError):
+class UnsafeCheckpointError(InputError, ValueError):
     """A checkpoint file holds something a safe reader refuses to build (one line naming the file)."""
 
 
-class CorruptCheckpointError(ValueError):
+class CorruptCheckpointError(InputError, ValueError):
     """A checkpoint file cannot be parsed (truncated, overwritten); one line naming the file."""
 
 

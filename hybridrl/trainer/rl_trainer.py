@@ -24,12 +24,17 @@ from hybridrl.algos.advantages import compute_advantages, required_inputs
 from hybridrl.algos.kl import apply_kl_penalty, make_kl_controller
 from hybridrl.config import RunConfig
 from hybridrl.data.loader import PromptLoader
+from hybridrl.errors import InputError
 from hybridrl.protocol import DataProto
 from hybridrl.rewards import last_token_rewards
 from hybridrl.trainer.checkpoint import CheckpointManager
 from hybridrl.trainer.tracking import StageTimer, Tracker
 from hybridrl.workers import ClassWithInitArgs, ResourcePool, WorkerGroup
 from hybridrl.workers.megatron_workers import ActorRolloutWorker, CriticWorker, ReferenceWorker, RewardModelWorker
+
+
+class TrainingStoppedError(InputError):
+    """The run stopped itself (``trainer.max_bad_steps`` non-finite steps in a row) after saving a checkpoint."""
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -285,7 +290,7 @@ class RLTrainer:
         limit = self.cfg.trainer.max_bad_steps
         path = saved or self.ckpt.save(self.step)
         self.tracker.close()
-        raise RuntimeError(
+        raise TrainingStoppedError(
             f"trainer.max_bad_steps ({limit}) consecutive steps had NaN/Inf losses or grad norms; stopped at "
             f"step {self.step} with a checkpoint in {path}; lower actor.optim.lr or check the data and rewards"
         )

@@ -5,18 +5,24 @@ one of Megatron's tensor-parallel all-reduces (the groups that kept a fixed 10-m
     torchrun --nproc-per-node 2 -m tests.distributed.stop_rank train CONFIG key=value ...
 """
 
+import functools
 import os
 import signal
 import sys
 
-import hybridrl.trainer.rl_trainer as rl_trainer
 from hybridrl.cli import main
+from hybridrl.workers.megatron_workers import ActorRolloutWorker
+
+_update_actor = ActorRolloutWorker.update_actor
 
 
-def _stop_at(step: int) -> None:
-    if step == int(os.environ["HYBRIDRL_TEST_STOP_AT_STEP"]) and os.environ.get("RANK") == "1":
+@functools.wraps(_update_actor)  # keeps the method's dispatch registration
+def _stop_then_update(self, data):
+    # the actor's version counts its updates: step N's update starts at version N - 1
+    if self.version == int(os.environ["HYBRIDRL_TEST_STOP_AT_STEP"]) - 1 and os.environ.get("RANK") == "1":
         os.kill(os.getpid(), signal.SIGSTOP)
+    return _update_actor(self, data)
 
 
-rl_trainer.crash_for_test = _stop_at  # the loop's test hook, called just before update_actor
+ActorRolloutWorker.update_actor = _stop_then_update
 sys.exit(main())
