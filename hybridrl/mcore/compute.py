@@ -27,10 +27,15 @@ parallelism the rows are first grouped by length (:func:`group_by_length`; resul
 order), so that short rows share micro-batches with short rows. Rollout batches are
 padded to ``max_prompt_length + response_length``; real prompts and responses are usually much shorter, and
 the saving grows with the square of the width in attention. Outputs at valid tokens are unchanged.
+
+Prompt sharing (``share_prefix``): the responses of one prompt (GRPO/RLOO groups, rows with equal prompt
+columns) run as one packed row per micro-batch, the prompt computed once (:mod:`hybridrl.mcore.prefix_share`);
+heads, losses and their aggregation see the same per-response tensors ``(mb, r)`` as without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
@@ -43,7 +48,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.utils import get_model_config
 
 from hybridrl.algos.aggregation import aggregate, check_mode
-from hybridrl.mcore import vocab_parallel
+from hybridrl.mcore import prefix_share, vocab_parallel
 from hybridrl.mcore.gpt import run_schedule, vocab_size_of
 from hybridrl.mcore.loss_scaling import global_denominator, grad_reduce_mean_factor
 
@@ -145,12 +150,17 @@ def micro_batches_trimmed(chunks, batch: dict[str, torch.Tensor], micro_batch_si
     8 (and of TP under sequence parallelism, which splits the sequence over TP)."""
     if not trim:
         return split_micro_batches(batch, micro_batch_size)
-    multiple = 8
-    if get_model_config(chunks[0]).sequence_parallel:
-        multiple = math.lcm(multiple, mpu.get_tensor_model_parallel_world_size())
+    multiple = _width_multiple(chunks)
     if _one_width(chunks):
         return split_micro_batches(trim_padding(batch, multiple), micro_batch_size)
     return [trim_padding(mb, multiple) for mb in split_micro_batches(batch, micro_batch_size)]
+
+
+def _width_multiple(chunks) -> int:
+    """Model input widths are multiples of 8, and of TP under sequence parallelism (which splits the sequence)."""
+    if get_model_config(chunks[0]).sequence_parallel:
+        return math.lcm(8, mpu.get_tensor_model_parallel_world_size())
+    return 8
 
 
 def _one_width(chunks) -> bool:
@@ -333,6 +343,22 @@ def _check_supported(chunks) -> None:
         raise ValueError("model config calculate_per_token_loss=True is not supported; leave it False (the default)")
 
 
+def _shared_plan(chunks, prepared, micro_batch_size: int, rows: int, share_prefix: bool | None, trim: bool):
+    if share_prefix is None and not trim:  # untrimmed passes (a debugging knob) stay row by row
+        return None
+    return prefix_share.choose(chunks, prepared, micro_batch_size, rows, share_prefix, _one_width(chunks),
+                               _width_multiple(chunks))  # fmt: skip
+
+
+def _installed(chunks, shared):
+    return prefix_share.installed(chunks) if shared is not None else contextlib.nullcontext()
+
+
+def _head_input(output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model output as heads read it: packed outputs become ``(mb, r, ...)`` at the response positions."""
+    return prefix_share.unpack(output, micro_batch) if "packed_index" in micro_batch else output
+
+
 def forward_backward(
     chunks: list[torch.nn.Module],
     batch: Batch,
@@ -345,6 +371,7 @@ def forward_backward(
     loss_scale_factor: float | None = None,
     response_mask_key: str = "response_mask",
     trim: bool = True,
+    share_prefix: bool | None = False,
 ) -> StepOutput:
     """Forward (and backward) this rank's data-parallel batch through the pipeline schedule.
 
@@ -369,6 +396,9 @@ def forward_backward(
         loss_scale_factor: the constant "seq-mean-token-sum-norm" divides by (e.g. the maximum response length).
         response_mask_key: the batch key of the response mask.
         trim: drop the batch's trailing padding columns before the model (:func:`trim_padding`).
+        share_prefix: compute each prompt once for the rows that share it (module docs): ``True`` wherever some
+            micro-batch holds two rows of one prompt, ``None`` (auto) where that also runs fewer tokens (and the
+            model allows it, see :func:`hybridrl.mcore.prefix_share.unsupported`), ``False`` never.
 
     Returns:
         :class:`StepOutput` with the global loss and metrics on every rank.
@@ -380,8 +410,15 @@ def forward_backward(
     r = prepared["responses"].shape[1]
     if response_mask_key not in prepared:
         prepared[response_mask_key] = prepared["attention_mask"][:, -r:]
-    prepared, _ = group_by_length(chunks, prepared, trim)
-    micro_batches = micro_batches_trimmed(chunks, prepared, micro_batch_size, trim)
+    b = prepared["input_ids"].shape[0]
+    if micro_batch_size < 1 or b % micro_batch_size:
+        raise ValueError(f"micro_batch_size ({micro_batch_size}) must divide the local batch size ({b})")
+    shared = _shared_plan(chunks, prepared, micro_batch_size, b, share_prefix, trim)
+    if shared is None:
+        prepared, _ = group_by_length(chunks, prepared, trim)
+        micro_batches = micro_batches_trimmed(chunks, prepared, micro_batch_size, trim)
+    else:
+        micro_batches = shared.micro_batches
     last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
     dp_group = mpu.get_data_parallel_group()
     mask = prepared[response_mask_key]
@@ -390,13 +427,13 @@ def forward_backward(
     contributions: list[torch.Tensor] = []
 
     def loss_func(output, micro_batch):
-        outputs = head(output, micro_batch)
+        outputs = head(_head_input(output, micro_batch), micro_batch)
         per_token, metrics = loss_fn(outputs, micro_batch)
         loss = aggregate(per_token, micro_batch[response_mask_key], loss_agg_mode, denominator)
         contributions.append(loss.detach())
         return loss * scale, metrics
 
-    with torch.no_grad() if forward_only else torch.enable_grad():
+    with torch.no_grad() if forward_only else torch.enable_grad(), _installed(chunks, shared):
         mb_metrics = _run_schedule(chunks, micro_batches, loss_func, forward_only)
     loss, metrics = _reduce_step_metrics(contributions, mb_metrics if last_stage else [], dp_group)
     return StepOutput(loss=loss, metrics=metrics, micro_batch_metrics=mb_metrics if last_stage else [])
@@ -435,6 +472,7 @@ def forward_outputs(
     head: TokenHead,
     gather_dp: bool = False,
     trim: bool = True,
+    share_prefix: bool | None = False,
 ) -> dict[str, torch.Tensor]:
     """Forward-only ``head`` outputs for the local batch, on every rank.
 
@@ -444,6 +482,7 @@ def forward_outputs(
         head: which per-token tensors to compute (its ``keys`` name them).
         gather_dp: concatenate the results of all DP ranks (in DP-rank order) instead of the local ones.
         trim: drop the batch's trailing padding columns before the model (:func:`trim_padding`).
+        share_prefix: compute each prompt once for the rows that share it (see :func:`forward_backward`).
 
     Returns:
         ``{key: (b, r) fp32}`` (``(b * dp, r)`` with ``gather_dp``), identical on every TP/PP rank.
@@ -462,15 +501,19 @@ def forward_outputs(
     if len(chunks) > 1:
         pp = mpu.get_pipeline_model_parallel_world_size()
         count = -(-count // pp) * pp
-    prepared, order = group_by_length(chunks, prepared, trim)
-    micro_batches = micro_batches_trimmed(chunks, _pad_rows(prepared, count * micro_batch_size - b),
-                                          micro_batch_size, trim)  # fmt: skip
+    shared = _shared_plan(chunks, prepared, micro_batch_size, count * micro_batch_size, share_prefix, trim)
+    if shared is None:
+        prepared, order = group_by_length(chunks, prepared, trim)
+        micro_batches = micro_batches_trimmed(chunks, _pad_rows(prepared, count * micro_batch_size - b),
+                                              micro_batch_size, trim)  # fmt: skip
+    else:
+        micro_batches, order = shared.micro_batches, shared.order
 
     def loss_func(output, micro_batch):
-        outputs = head(output, micro_batch)
+        outputs = head(_head_input(output, micro_batch), micro_batch)
         return output.new_zeros(()), {k: outputs[k].detach().float() for k in head.keys}
 
-    with torch.no_grad():
+    with torch.no_grad(), _installed(chunks, shared):
         collected = _run_schedule(chunks, micro_batches, loss_func, forward_only=True)
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
         stacked = torch.stack([torch.cat([c[k] for c in collected])[:b] for k in head.keys])
@@ -508,18 +551,25 @@ def compute_log_probs(
     with_entropy: bool = False,
     gather_dp: bool = False,
     vocab_size: int | None = None,
+    share_prefix: bool | None = False,
 ) -> dict[str, torch.Tensor]:
     """Per-token log-probs of ``batch['responses']`` (and entropy): ``{'log_probs': (b, r), ...}`` on every rank.
 
     The softmax runs over the model's true vocabulary (``vocab_size=None``: taken from the model, see
-    :class:`LogProbHead`), at ``temperature`` (pass the rollout's for PPO's old log-probs).
+    :class:`LogProbHead`), at ``temperature`` (pass the rollout's for PPO's old log-probs); ``share_prefix`` as in
+    :func:`forward_backward`.
     """
     head = LogProbHead(temperature=temperature, with_entropy=with_entropy, vocab_size=vocab_size)
-    return forward_outputs(chunks, batch, micro_batch_size, head, gather_dp)
+    return forward_outputs(chunks, batch, micro_batch_size, head, gather_dp, share_prefix=share_prefix)
 
 
 def compute_values(
-    chunks: list[torch.nn.Module], batch: Batch, micro_batch_size: int, gather_dp: bool = False
+    chunks: list[torch.nn.Module],
+    batch: Batch,
+    micro_batch_size: int,
+    gather_dp: bool = False,
+    share_prefix: bool | None = False,
 ) -> torch.Tensor:
     """Critic values at the response tokens: ``(b, r)`` fp32 on every rank (critic output ``(mb, s, 1)``)."""
-    return forward_outputs(chunks, batch, micro_batch_size, ValuesHead(), gather_dp)["values"]
+    out = forward_outputs(chunks, batch, micro_batch_size, ValuesHead(), gather_dp, share_prefix=share_prefix)
+    return out["values"]
