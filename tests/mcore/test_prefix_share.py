@@ -241,7 +241,7 @@ def test_fallbacks(results):
 # ---- the packed layout, without ranks --------------------------------------------------------------------
 def _visible_keys(micro: dict, j: int, col: int) -> set[int]:
     """Packed columns of row ``j`` that the query at ``col`` attends to, read from the packed mask."""
-    k, rw, w = micro["model_attention_mask"].shape[1:]
+    rw, w = micro["model_attention_mask"].shape[2:]
     pw = w - rw
     mask = micro["model_attention_mask"][j]
     if col < pw:  # prompt queries: causal over the valid prompt (the mask's prompt columns give validity)
