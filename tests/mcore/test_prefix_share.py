@@ -288,3 +288,25 @@ def test_auto_packs_groups_not_singletons():
     assert packed.tokens == 36 + 34 and packed.unshared_tokens == 8 * 15 + 8 * 13 and packed.shared_responses == 16
     singles = compute.prepare_batch(grpo_batch([(5, (3,)), (7, (4,)), (2, (6,))]))
     assert prefix_share.plan(singles, 3, 3, one_width=False).shared_responses == 0
+
+
+def test_config_key_defaults_to_auto_and_refuses_a_sliding_window_model(tmp_path):
+    import json
+
+    from hybridrl.config import ConfigError, load_config
+
+    assert load_config("tiny_cpu_grpo.yaml").actor.share_prompt_prefix is None  # auto
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    shape = load_config("tiny_cpu_grpo.yaml").model.architecture  # the config's shape, as a Mistral checkpoint
+    fields = {k: v for k, v in vars(shape).items() if v is not None}
+    (mistral / "config.json").write_text(json.dumps({**fields, "model_type": "mistral", "sliding_window": 4096}))
+    base = ["data.demo_task=false", f"model.path={mistral}", "model.architecture.model_type=null",
+            "data.train_files=[x.parquet]"]  # fmt: skip
+    load_config("tiny_cpu_grpo.yaml", [*base, "actor.share_prompt_prefix=false"])
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_cpu_grpo.yaml", [*base, "actor.share_prompt_prefix=true"])
+    assert str(info.value) == (
+        "actor.share_prompt_prefix (true) cannot pack a sliding-window model (sliding_window 4096); set it to null "
+        "(auto: row by row here) or false"
+    )
