@@ -258,22 +258,29 @@ class SharedPrefixAttention(torch.nn.Module):
         pw = w - rw
         if pw + k * rw != L:
             raise RuntimeError(f"packed mask {tuple(attention_mask.shape)} does not fit a sequence of {L}")
-        q = query.permute(1, 2, 0, 3).reshape(g, ng, heads // ng, L, d)  # (G, groups, per group, L, d)
-        kk, vv = (x.permute(1, 2, 0, 3).unsqueeze(2) for x in (key, value))  # (G, groups, 1, L, d)
-        kp, vp, kr, vr = kk[..., :pw, :], vv[..., :pw, :], kk[..., pw:, :], vv[..., pw:, :]
+        qpg = heads // ng
+        q = query.permute(1, 2, 0, 3).reshape(g, ng, qpg, L, d)  # (G, groups, heads per group, L, d)
+        kk, vv = (x.permute(1, 2, 0, 3) for x in (key, value))  # (G, groups, L, d)
+        kp, vp = kk[:, :, :pw], vv[:, :, :pw]
+        kr, vr = (x[:, :, pw:].reshape(g, ng, k, rw, d) for x in (kk, vv))
+        # the heads of a group share its keys: folded into the query rows, no key or value is copied per head
         # prompt block: causal over the prompt, its padding keys masked
         causal = torch.ones(pw, pw, dtype=torch.bool, device=q.device).triu(1)
         pad = attention_mask[:, 0, 0, :pw]  # (G, Pw): prompt columns are the same for every query
         p_masked = causal | pad[:, None, :]  # a padding query still sees the valid prompt keys before it
-        p_probs = self._softmax(q[..., :pw, :] @ kp.transpose(-1, -2) * self.softmax_scale, p_masked[:, None, None])
-        p_out = p_probs @ vp
-        # responses: each slot's queries against [prompt keys, its own keys]
-        qr = q[..., pw:, :].reshape(g, ng, heads // ng, k, rw, d)
-        to_prompt = (qr @ kp.unsqueeze(3).transpose(-1, -2)) * self.softmax_scale  # (G, ng, qpg, K, Rw, Pw)
-        to_own = (qr @ kr.reshape(g, ng, 1, k, rw, d).transpose(-1, -2)) * self.softmax_scale
-        probs = self._softmax(torch.cat([to_prompt, to_own], -1), attention_mask[:, None, None])
-        r_out = probs[..., :pw] @ vp.unsqueeze(3) + probs[..., pw:] @ vr.reshape(g, ng, 1, k, rw, d)
-        out = torch.cat([p_out, r_out.reshape(g, ng, heads // ng, k * rw, d)], dim=3)
+        scores = (q[..., :pw, :].reshape(g, ng, qpg * pw, d) @ kp.transpose(-1, -2)).view(g, ng, qpg, pw, pw)
+        p_probs = self._softmax(scores * self.softmax_scale, p_masked[:, None, None])
+        p_out = (p_probs.view(g, ng, qpg * pw, pw) @ vp).view(g, ng, qpg, pw, d)
+        # responses, slot-major (G, groups, K, heads per group * Rw, d): against the prompt keys, then their own
+        qr = q[..., pw:, :].reshape(g, ng, qpg, k, rw, d).transpose(2, 3).reshape(g, ng, k, qpg * rw, d)
+        to_prompt = (qr.view(g, ng, k * qpg * rw, d) @ kp.transpose(-1, -2)).view(g, ng, k, qpg, rw, pw)
+        to_own = (qr @ kr.transpose(-1, -2)).view(g, ng, k, qpg, rw, rw)
+        scores = torch.cat([to_prompt, to_own], -1) * self.softmax_scale
+        probs = self._softmax(scores, attention_mask[:, None, :, None])  # (G, ng, K, qpg, Rw, Pw + Rw)
+        r_out = (probs[..., :pw].reshape(g, ng, k * qpg * rw, pw) @ vp).view(g, ng, k, qpg * rw, d)
+        r_out = r_out + probs[..., pw:].reshape(g, ng, k, qpg * rw, rw) @ vr
+        r_out = r_out.view(g, ng, k, qpg, rw, d).transpose(2, 3).reshape(g, ng, qpg, k * rw, d)
+        out = torch.cat([p_out, r_out], dim=3)
         return out.reshape(g, heads, L, d).permute(2, 0, 1, 3).reshape(L, g, heads * d)
 
 
