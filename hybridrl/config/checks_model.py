@@ -46,9 +46,15 @@ def check_architecture(cfg: RunConfig, world: int) -> None:
     """Heads, KV groups, layers and positions split over TP / PP, for the model as far as it is known before
     loading (:func:`hybridrl.config.memory.model_fields`: model.architecture, a local checkpoint's config.json,
     the public shape of a packaged config's model); a separate critic checkpoint too."""
+    from hybridrl.config.checks import _fail
     from hybridrl.config.memory import model_fields
 
-    _check_shape(cfg, model_fields(cfg), cfg.model.path, rollout=True)
+    fields = model_fields(cfg)
+    if cfg.actor.share_prompt_prefix and fields.get("model_type") == "mistral" and fields.get("sliding_window"):
+        _fail(f"actor.share_prompt_prefix (true) cannot pack a sliding-window model (sliding_window "
+              f"{fields['sliding_window']}); set it to null (auto: row by row here) or false",
+              "actor.share_prompt_prefix")  # fmt: skip
+    _check_shape(cfg, fields, cfg.model.path, rollout=True)
     critic = cfg.critic.model_path
     if cfg.critic.enable and critic and critic != cfg.model.path:
         _check_shape(cfg, model_fields(cfg, critic), critic, rollout=False)

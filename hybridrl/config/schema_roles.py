@@ -125,6 +125,13 @@ class ActorConfig:
     data.train_batch_size / ppo_mini_batch_size optimizer steps per PPO epoch."""
     ppo_micro_batch_size_per_gpu: int = 4
     """RESPONSES per forward/backward micro-batch on one DP rank (gradient accumulation unit), as in verl."""
+    share_prompt_prefix: bool | None = None
+    """Run each prompt once for its responses in the step's Megatron passes (old and reference log-probs, critic
+    values, actor and critic updates): the responses of one prompt in a micro-batch become one packed row, each
+    attending to the prompt and to itself (results equal the row-by-row pass up to float rounding). It pays with
+    rollout.n > 1 and micro-batches holding whole groups (a micro-batch size that is a multiple of rollout.n). None
+    = auto: where it runs fewer tokens and the model allows it (not sliding-window attention); true: wherever a
+    micro-batch holds two responses of one prompt; false: row by row."""
     ppo_epochs: int = 1
     """Passes over each step's rollout batch."""
     shuffle: bool = True

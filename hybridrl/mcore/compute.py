@@ -27,15 +27,19 @@ parallelism the rows are first grouped by length (:func:`group_by_length`; resul
 order), so that short rows share micro-batches with short rows. Rollout batches are
 padded to ``max_prompt_length + response_length``; real prompts and responses are usually much shorter, and
 the saving grows with the square of the width in attention. Outputs at valid tokens are unchanged.
+
+Prompt sharing (``share_prefix``): the responses of one prompt (GRPO/RLOO groups, rows with equal prompt
+columns) run as one packed row per micro-batch, the prompt computed once (:mod:`hybridrl.mcore.prefix_share`);
+heads, losses and their aggregation see the same per-response tensors ``(mb, r)`` as without it.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,10 +47,13 @@ from megatron.core import parallel_state as mpu
 from megatron.core.utils import get_model_config
 
 from hybridrl.algos.aggregation import aggregate, check_mode
-from hybridrl.mcore import vocab_parallel
-from hybridrl.mcore.gpt import run_schedule, vocab_size_of
+from hybridrl.mcore import prefix_share
+from hybridrl.mcore.gpt import run_schedule
+from hybridrl.mcore.heads import LogProbHead, TokenHead, ValuesHead, gather_response
 from hybridrl.mcore.loss_scaling import global_denominator, grad_reduce_mean_factor
 
+__all__ = ["LogProbHead", "StepOutput", "TokenHead", "ValuesHead", "compute_log_probs", "compute_values",
+           "forward_backward", "forward_outputs", "gather_response", "prepare_batch"]  # fmt: skip
 Batch = Mapping[str, torch.Tensor]
 REQUIRED_KEYS = ("input_ids", "attention_mask", "responses")
 
@@ -145,12 +152,17 @@ def micro_batches_trimmed(chunks, batch: dict[str, torch.Tensor], micro_batch_si
     8 (and of TP under sequence parallelism, which splits the sequence over TP)."""
     if not trim:
         return split_micro_batches(batch, micro_batch_size)
-    multiple = 8
-    if get_model_config(chunks[0]).sequence_parallel:
-        multiple = math.lcm(multiple, mpu.get_tensor_model_parallel_world_size())
+    multiple = _width_multiple(chunks)
     if _one_width(chunks):
         return split_micro_batches(trim_padding(batch, multiple), micro_batch_size)
     return [trim_padding(mb, multiple) for mb in split_micro_batches(batch, micro_batch_size)]
+
+
+def _width_multiple(chunks) -> int:
+    """Model input widths are multiples of 8, and of TP under sequence parallelism (which splits the sequence)."""
+    if get_model_config(chunks[0]).sequence_parallel:
+        return math.lcm(8, mpu.get_tensor_model_parallel_world_size())
+    return 8
 
 
 def _one_width(chunks) -> bool:
@@ -209,91 +221,6 @@ def _pad_rows(batch: dict[str, torch.Tensor], pad: int) -> dict[str, torch.Tenso
     }  # fmt: skip
 
 
-def gather_response(output: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rows of ``output`` ``(mb, s, *rest)`` at ``positions`` ``(mb, r)``: ``(mb, r, *rest)``."""
-    mb, r = positions.shape
-    rest = output.shape[2:]
-    index = positions.reshape(mb, r, *([1] * len(rest))).expand(mb, r, *rest)
-    return output.gather(1, index)
-
-
-class TokenHead(Protocol):
-    """Turns a model chunk's output on the last stage into per-response-token tensors ``(mb, r)``.
-
-    A head that needs facts of the model (the vocabulary) may define ``bind(chunks) -> head``: the forward
-    functions call it before the first micro-batch.
-    """
-
-    keys: tuple[str, ...]
-
-    def __call__(self, output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
-
-
-@dataclass(frozen=True)
-class LogProbHead:
-    """Log-probs of ``responses`` (and the entropy) from vocab-parallel logits ``(mb, s, V/tp)``."""
-
-    temperature: float = 1.0
-    """Logits are divided by it (the rollout's sampling temperature for PPO ratios; 1.0: the model's own)."""
-    with_entropy: bool = False
-    """Also return the entropy of the (tempered) softmax."""
-    vocab_size: int | None = None
-    """The true vocabulary: logits past it are the model's padding rows and stay out of the softmax. None: the
-    model's own, filled in by :meth:`bind` (which the forward functions call) from the chunks' builder."""
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return ("log_probs", "entropy") if self.with_entropy else ("log_probs",)
-
-    def bind(self, chunks: list[torch.nn.Module]) -> LogProbHead:
-        """This head with ``vocab_size`` from the model (:func:`hybridrl.mcore.gpt.vocab_size_of`).
-
-        Raises:
-            ValueError: an explicit ``vocab_size`` differs from the model's, or neither is known.
-        """
-        model = vocab_size_of(chunks, required=self.vocab_size is None)
-        if self.vocab_size is None:
-            return dataclasses.replace(self, vocab_size=model)
-        if model is not None and model != self.vocab_size:
-            raise ValueError(
-                f"LogProbHead.vocab_size ({self.vocab_size}) differs from the model's vocabulary ({model}); "
-                "leave it unset (None) to use the model's"
-            )
-        return self
-
-    def __call__(self, output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.vocab_size is None:
-            raise ValueError(
-                "LogProbHead.vocab_size is None: call head.bind(chunks) (compute.forward_outputs / forward_backward "
-                "do) or pass the tokenizer's vocabulary, or the model's padding rows enter the softmax"
-            )
-        logits = gather_response(output, micro_batch["response_positions"])
-        group = mpu.get_tensor_model_parallel_group()
-        logp, ent = vocab_parallel.log_probs_and_entropy(
-            logits, micro_batch["responses"], group, self.temperature, self.vocab_size
-        )
-        return {"log_probs": logp, "entropy": ent} if self.with_entropy else {"log_probs": logp}
-
-
-@dataclass(frozen=True)
-class ValuesHead:
-    """Critic values from a model whose output is ``(mb, s, 1)`` or ``(mb, s)``: ``values (mb, r)``.
-
-    The value of response token ``t`` is read at the position that predicts it (``p + t - 1``), as the
-    log-probs are. This reads the critic's output; the parameterised ``Linear(h, 1)`` that produces it is
-    the critic model's own (``hybridrl.mcore.roles``).
-    """
-
-    keys: tuple[str, ...] = ("values",)
-
-    def __call__(self, output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if output.dim() == 3:
-            if output.shape[-1] != 1:
-                raise ValueError(f"ValuesHead expects a (mb, s, 1) critic output, got {tuple(output.shape)}")
-            output = output.squeeze(-1)
-        return {"values": gather_response(output, micro_batch["response_positions"]).float()}
-
-
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]]
 
 
@@ -333,6 +260,22 @@ def _check_supported(chunks) -> None:
         raise ValueError("model config calculate_per_token_loss=True is not supported; leave it False (the default)")
 
 
+def _shared_plan(chunks, prepared, micro_batch_size: int, rows: int, share_prefix: bool | None, trim: bool):
+    if share_prefix is None and not trim:  # untrimmed passes (a debugging knob) stay row by row
+        return None
+    return prefix_share.choose(chunks, prepared, micro_batch_size, rows, share_prefix, _one_width(chunks),
+                               _width_multiple(chunks))  # fmt: skip
+
+
+def _installed(chunks, shared):
+    return prefix_share.installed(chunks) if shared is not None else contextlib.nullcontext()
+
+
+def _head_input(output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model output as heads read it: packed outputs become ``(mb, r, ...)`` at the response positions."""
+    return prefix_share.unpack(output, micro_batch) if "packed_index" in micro_batch else output
+
+
 def forward_backward(
     chunks: list[torch.nn.Module],
     batch: Batch,
@@ -345,6 +288,7 @@ def forward_backward(
     loss_scale_factor: float | None = None,
     response_mask_key: str = "response_mask",
     trim: bool = True,
+    share_prefix: bool | None = False,
 ) -> StepOutput:
     """Forward (and backward) this rank's data-parallel batch through the pipeline schedule.
 
@@ -369,6 +313,9 @@ def forward_backward(
         loss_scale_factor: the constant "seq-mean-token-sum-norm" divides by (e.g. the maximum response length).
         response_mask_key: the batch key of the response mask.
         trim: drop the batch's trailing padding columns before the model (:func:`trim_padding`).
+        share_prefix: compute each prompt once for the rows that share it (module docs): ``True`` wherever some
+            micro-batch holds two rows of one prompt, ``None`` (auto) where that also runs fewer tokens (and the
+            model allows it, see :func:`hybridrl.mcore.prefix_share.unsupported`), ``False`` never.
 
     Returns:
         :class:`StepOutput` with the global loss and metrics on every rank.
@@ -380,8 +327,15 @@ def forward_backward(
     r = prepared["responses"].shape[1]
     if response_mask_key not in prepared:
         prepared[response_mask_key] = prepared["attention_mask"][:, -r:]
-    prepared, _ = group_by_length(chunks, prepared, trim)
-    micro_batches = micro_batches_trimmed(chunks, prepared, micro_batch_size, trim)
+    b = prepared["input_ids"].shape[0]
+    if micro_batch_size < 1 or b % micro_batch_size:
+        raise ValueError(f"micro_batch_size ({micro_batch_size}) must divide the local batch size ({b})")
+    shared = _shared_plan(chunks, prepared, micro_batch_size, b, share_prefix, trim)
+    if shared is None:
+        prepared, _ = group_by_length(chunks, prepared, trim)
+        micro_batches = micro_batches_trimmed(chunks, prepared, micro_batch_size, trim)
+    else:
+        micro_batches = shared.micro_batches
     last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
     dp_group = mpu.get_data_parallel_group()
     mask = prepared[response_mask_key]
@@ -390,13 +344,13 @@ def forward_backward(
     contributions: list[torch.Tensor] = []
 
     def loss_func(output, micro_batch):
-        outputs = head(output, micro_batch)
+        outputs = head(_head_input(output, micro_batch), micro_batch)
         per_token, metrics = loss_fn(outputs, micro_batch)
         loss = aggregate(per_token, micro_batch[response_mask_key], loss_agg_mode, denominator)
         contributions.append(loss.detach())
         return loss * scale, metrics
 
-    with torch.no_grad() if forward_only else torch.enable_grad():
+    with torch.no_grad() if forward_only else torch.enable_grad(), _installed(chunks, shared):
         mb_metrics = _run_schedule(chunks, micro_batches, loss_func, forward_only)
     loss, metrics = _reduce_step_metrics(contributions, mb_metrics if last_stage else [], dp_group)
     return StepOutput(loss=loss, metrics=metrics, micro_batch_metrics=mb_metrics if last_stage else [])
@@ -435,6 +389,7 @@ def forward_outputs(
     head: TokenHead,
     gather_dp: bool = False,
     trim: bool = True,
+    share_prefix: bool | None = False,
 ) -> dict[str, torch.Tensor]:
     """Forward-only ``head`` outputs for the local batch, on every rank.
 
@@ -444,6 +399,7 @@ def forward_outputs(
         head: which per-token tensors to compute (its ``keys`` name them).
         gather_dp: concatenate the results of all DP ranks (in DP-rank order) instead of the local ones.
         trim: drop the batch's trailing padding columns before the model (:func:`trim_padding`).
+        share_prefix: compute each prompt once for the rows that share it (see :func:`forward_backward`).
 
     Returns:
         ``{key: (b, r) fp32}`` (``(b * dp, r)`` with ``gather_dp``), identical on every TP/PP rank.
@@ -462,15 +418,19 @@ def forward_outputs(
     if len(chunks) > 1:
         pp = mpu.get_pipeline_model_parallel_world_size()
         count = -(-count // pp) * pp
-    prepared, order = group_by_length(chunks, prepared, trim)
-    micro_batches = micro_batches_trimmed(chunks, _pad_rows(prepared, count * micro_batch_size - b),
-                                          micro_batch_size, trim)  # fmt: skip
+    shared = _shared_plan(chunks, prepared, micro_batch_size, count * micro_batch_size, share_prefix, trim)
+    if shared is None:
+        prepared, order = group_by_length(chunks, prepared, trim)
+        micro_batches = micro_batches_trimmed(chunks, _pad_rows(prepared, count * micro_batch_size - b),
+                                              micro_batch_size, trim)  # fmt: skip
+    else:
+        micro_batches, order = shared.micro_batches, shared.order
 
     def loss_func(output, micro_batch):
-        outputs = head(output, micro_batch)
+        outputs = head(_head_input(output, micro_batch), micro_batch)
         return output.new_zeros(()), {k: outputs[k].detach().float() for k in head.keys}
 
-    with torch.no_grad():
+    with torch.no_grad(), _installed(chunks, shared):
         collected = _run_schedule(chunks, micro_batches, loss_func, forward_only=True)
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
         stacked = torch.stack([torch.cat([c[k] for c in collected])[:b] for k in head.keys])
@@ -508,18 +468,25 @@ def compute_log_probs(
     with_entropy: bool = False,
     gather_dp: bool = False,
     vocab_size: int | None = None,
+    share_prefix: bool | None = False,
 ) -> dict[str, torch.Tensor]:
     """Per-token log-probs of ``batch['responses']`` (and entropy): ``{'log_probs': (b, r), ...}`` on every rank.
 
     The softmax runs over the model's true vocabulary (``vocab_size=None``: taken from the model, see
-    :class:`LogProbHead`), at ``temperature`` (pass the rollout's for PPO's old log-probs).
+    :class:`LogProbHead`), at ``temperature`` (pass the rollout's for PPO's old log-probs); ``share_prefix`` as in
+    :func:`forward_backward`.
     """
     head = LogProbHead(temperature=temperature, with_entropy=with_entropy, vocab_size=vocab_size)
-    return forward_outputs(chunks, batch, micro_batch_size, head, gather_dp)
+    return forward_outputs(chunks, batch, micro_batch_size, head, gather_dp, share_prefix=share_prefix)
 
 
 def compute_values(
-    chunks: list[torch.nn.Module], batch: Batch, micro_batch_size: int, gather_dp: bool = False
+    chunks: list[torch.nn.Module],
+    batch: Batch,
+    micro_batch_size: int,
+    gather_dp: bool = False,
+    share_prefix: bool | None = False,
 ) -> torch.Tensor:
     """Critic values at the response tokens: ``(b, r)`` fp32 on every rank (critic output ``(mb, s, 1)``)."""
-    return forward_outputs(chunks, batch, micro_batch_size, ValuesHead(), gather_dp)["values"]
+    out = forward_outputs(chunks, batch, micro_batch_size, ValuesHead(), gather_dp, share_prefix=share_prefix)
+    return out["values"]

@@ -226,6 +226,7 @@ class ActorRolloutWorker(_TrainedRole):
             temperature=self.cfg.rollout.temperature or 1.0,
             with_entropy=True,
             vocab_size=self.model.shape.vocab_size,
+            share_prefix=self.cfg.actor.share_prompt_prefix,
         )
         return DataProto.from_dict(tensors={"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
@@ -243,6 +244,7 @@ class ActorRolloutWorker(_TrainedRole):
             return compute.forward_backward(
                 self.optimizer.chunks, _tensors(mini, keys), self.objective, a.ppo_micro_batch_size_per_gpu, head=head,
                 loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor,
+                share_prefix=a.share_prompt_prefix,
             )  # fmt: skip
 
         responses = a.ppo_mini_batch_size * self.cfg.rollout.n
@@ -297,7 +299,8 @@ class CriticWorker(_TrainedRole):
     def compute_values(self, data: DataProto) -> DataProto:
         self._bring_back()
         mbs = self.cfg.critic.ppo_micro_batch_size_per_gpu
-        values = compute.compute_values(self.model.chunks, _tensors(data, COMPUTE_KEYS), mbs)
+        values = compute.compute_values(self.model.chunks, _tensors(data, COMPUTE_KEYS), mbs,
+                                        share_prefix=self.cfg.actor.share_prompt_prefix)  # fmt: skip
         return DataProto.from_dict(tensors={"values": values})
 
     @register(Dispatch.DP_COMPUTE)
@@ -311,6 +314,7 @@ class CriticWorker(_TrainedRole):
             return compute.forward_backward(
                 self.optimizer.chunks, _tensors(mini, keys), self.objective, c.ppo_micro_batch_size_per_gpu,
                 head=compute.ValuesHead(), loss_agg_mode=c.loss_agg_mode, loss_scale_factor=c.loss_scale_factor,
+                share_prefix=self.cfg.actor.share_prompt_prefix,
             )  # fmt: skip
 
         self._bring_back()
@@ -341,7 +345,7 @@ class ReferenceWorker:
         mbs = self.cfg.ref.log_prob_micro_batch_size_per_gpu or self.cfg.actor.ppo_micro_batch_size_per_gpu
         out = compute.compute_log_probs(
             self.model.chunks, _tensors(data, COMPUTE_KEYS), mbs, temperature=self.cfg.rollout.temperature or 1.0,
-            vocab_size=self.model.shape.vocab_size,
+            vocab_size=self.model.shape.vocab_size, share_prefix=self.cfg.actor.share_prompt_prefix,
         )  # fmt: skip
         if offloaded:
             self.model.offload()
