@@ -15,13 +15,15 @@ from hybridrl.algos.advantages import compute_advantages
 from hybridrl.algos.group_estimators import pass_at_k_group_advantages
 
 
-def _outcome(scores: list[float], width: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _outcome(
+    scores: list[float], width: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random-length right-padded ``(rewards, mask)`` with each score on its response's last token."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, width + 1, (len(scores),), generator=g)
     mask = (torch.arange(width)[None] < lengths[:, None]).float()
-    rewards = torch.zeros(len(scores), width)
-    rewards[torch.arange(len(scores)), lengths - 1] = torch.tensor(scores)
+    rewards = torch.zeros(len(scores), width, dtype=dtype)
+    rewards[torch.arange(len(scores)), lengths - 1] = torch.tensor(scores, dtype=dtype)
     return rewards, mask
 
 
@@ -29,16 +31,16 @@ def test_gpg_centres_groups_and_corrects_for_zero_signal_groups():
     # groups: p0 mixed, p1 all equal (its 3 responses carry no signal), p2 mixed, p3 a single response
     scores = [1.0, 0.0, 0.5, 0.1, 0.1, 0.1, 0.2, 0.9, 0.4]  # 0.1 * 3: a float std of ~1e-17, not 0
     index = np.array(["p0", "p0", "p0", "p1", "p1", "p1", "p2", "p2", "p3"], dtype=object)
-    rewards, mask = _outcome(scores, seed=1)
+    rewards, mask = _outcome(scores, seed=1, dtype=torch.float64)
     adv, returns = compute_advantages("gpg", token_level_rewards=rewards, response_mask=mask, index=index)
     alpha = 9 / (9 - 3)  # B / (B - M)
     groups = {"p0": [1.0, 0.0, 0.5], "p1": [0.1] * 3, "p2": [0.2, 0.9], "p3": [0.4]}
     means = {k: (sum(v) / len(v) if len(v) > 1 else 0.0) for k, v in groups.items()}  # a single keeps its score
-    expected = torch.tensor([alpha * (s - means[i]) for s, i in zip(scores, index, strict=True)])
+    expected = torch.tensor([alpha * (s - means[i]) for s, i in zip(scores, index, strict=True)], dtype=torch.float64)
     torch.testing.assert_close(adv, expected[:, None] * mask, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(returns, adv)
     same, _ = compute_advantages("gpg", token_level_rewards=rewards[3:6], response_mask=mask[3:6], index=index[3:6])
-    assert (same == 0).all()  # only zero-signal responses: alpha = 1, nothing to scale
+    assert same.abs().max() < 1e-12  # only zero-signal responses: alpha = 1, nothing to scale
 
 
 def _subset_expectation(passed: list[bool], k: int) -> list[float]:
