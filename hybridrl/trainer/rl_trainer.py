@@ -187,8 +187,9 @@ class RLTrainer:
                       "rounds; filled with zero-variance groups (raise it for a full batch)", flush=True)  # fmt: skip
             rows = torch.cat([rows, (~keep).nonzero().squeeze(-1)[: (want - kept) * n]])
         rows = rows.sort().values  # whole groups, each contiguous, in generation order
-        metrics.update({"filter/kept_groups": float(kept), "filter/gen_rounds": float(len(batches))})
         picked = DataProto.concat(batches)[rows]
+        metrics.update({"filter/kept_groups": float(kept), "filter/gen_rounds": float(len(batches)),
+                        "reward/score_mean": float(picked.batch["task_scores"].mean())})  # fmt: skip
         return picked, DataProto.concat(prompt_parts)[rows[::n] // n], metrics
 
     def _next_prompts(self) -> DataProto:
