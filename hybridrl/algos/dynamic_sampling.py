@@ -39,7 +39,7 @@ def informative_rows(scores: torch.Tensor, index: Any) -> torch.Tensor:
 def overlong_penalty(
     lengths: torch.Tensor, max_length: int, buffer_length: int, penalty_factor: float = 1.0
 ) -> torch.Tensor:
-    """Soft overlong punishment (Yu et al. 2025, sec. 3.4), ``(b,)``:
+    """Soft overlong punishment (Yu et al. 2025, sec. 3.4, eq. 13), ``(b,)``:
 
         R_len(y) = 0                                   |y| <= L_max - L_cache
                  = ((L_max - L_cache) - |y|) / L_cache  L_max - L_cache < |y| <= L_max

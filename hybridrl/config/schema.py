@@ -116,7 +116,7 @@ class CustomRewardConfig:
 
 @dataclass
 class OverlongBufferConfig:
-    """Soft overlong punishment (DAPO, Yu et al. 2025, sec. 3.4), added to each training response's score:
+    """Soft overlong punishment (DAPO, Yu et al. 2025, sec. 3.4, eq. 13), added to each training response's score:
 
         R_len(y) = 0                                  |y| <= L_max - L_cache
                  = ((L_max - L_cache) - |y|) / L_cache L_max - L_cache < |y| <= L_max
