@@ -169,7 +169,7 @@ class RLTrainer:
         while sum(int(k.sum()) for k in keeps) < want * n and len(batches) < f.max_num_gen_batches:
             more = self._next_prompts()
             extra, extra_m = self._sample(more, timer, refill=len(batches))
-            metrics.update(extra_m)
+            metrics = {**extra_m, **metrics}  # the first round's (its switch pushed the weights; later ones find them)
             # a prompt drawn again (the loader wrapped) must form its own group; concat wants one meta_info
             extra.non_tensor_batch["uid"] = np.array([f"{u}#{len(batches)}" for u in extra.non_tensor_batch["uid"]],
                                                      dtype=object)  # fmt: skip
