@@ -18,6 +18,7 @@ from typing import Any
 
 from hybridrl.config.checks_model import check_against_checkpoint, check_architecture
 from hybridrl.config.checks_values import check_finite
+from hybridrl.config.checks_variants import check_loop_features, check_loss_variants, fill_variants
 from hybridrl.config.schema import (
     ADV_ESTIMATORS,
     CRITIC_ESTIMATORS,
@@ -138,6 +139,7 @@ def fill_derived(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
         cfg.trainer.default_local_dir = f"checkpoints/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
     if cfg.resources.process_on_nodes is None:
         cfg.resources.process_on_nodes = [cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes
+    fill_variants(cfg)
     return cfg
 
 
@@ -269,6 +271,7 @@ def check_policy_loss(cfg: RunConfig, world: int) -> None:
         _fail(f"{key} ({_get(cfg, key)}) must be positive for algorithm.kl_ctrl.type 'adaptive'", key)
     _in_range("algorithm.gamma", cfg.algorithm.gamma, 0.0, 1.0, low_open=False, high_open=False)
     _in_range("algorithm.lam", cfg.algorithm.lam, 0.0, 1.0, low_open=False, high_open=False)
+    check_loss_variants(cfg)
 
 
 VLLM_MIN_TEMPERATURE = 0.01
@@ -543,6 +546,7 @@ def check_algorithm_roles(cfg: RunConfig, world: int) -> None:
     for key in ("actor.use_kl_loss", "algorithm.use_kl_in_reward"):
         if _get(cfg, key) and not cfg.ref.enable:
             _fail(f"ref.enable (false) must be true when {key} is true; set ref.enable=null", "ref.enable")
+    check_loop_features(cfg)
 
 
 CHECKS: tuple[Callable[[RunConfig, int], None], ...] = (

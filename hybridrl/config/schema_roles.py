@@ -21,8 +21,9 @@ LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-tok
 _BASE_KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 KL_TYPES = (*_BASE_KL_TYPES, *(f"{name}+" for name in _BASE_KL_TYPES))
 """KL estimator names (verl's, aliases included); a trailing "+" = that estimator's value with k2's gradient."""
-POLICY_LOSS_NAMES = ("ppo_clip", "vanilla")
-"""Built-in policy losses of :data:`hybridrl.algos.losses.POLICY_LOSSES` ("vanilla" is verl's name of ppo_clip)."""
+POLICY_LOSS_NAMES = ("ppo_clip", "vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov")
+"""Built-in policy losses of :data:`hybridrl.algos.losses.POLICY_LOSSES` ("vanilla" is verl's name of ppo_clip; the
+others are :mod:`hybridrl.algos.policy_variants`, under verl's names)."""
 CUSTOM_POLICY_LOSS = "custom"
 LOAD_FORMATS = ("dummy", "auto", "safetensors", "pt")
 WEIGHT_SYNCS = ("shards", "hf")
@@ -98,13 +99,26 @@ class PolicyLossConfig:
 
     loss_mode: str = "ppo_clip"
     """A registered policy loss: "ppo_clip" (PPO's clipped surrogate with dual clip; "vanilla", verl's name for
-    it, is the same loss), or "custom" = the function ``name`` in the Python file ``path``."""
+    it, is the same loss), "gspo", "cispo", "gpg", "clip_cov", "kl_cov" (docs/algorithms.md), or "custom" = the
+    function ``name`` in the Python file ``path``."""
     path: str | None = None
     """Python file of a custom policy loss (loss_mode "custom"). None = built-in losses only."""
     name: str = "compute_policy_loss"
     """Function in path: ``fn(log_prob, old_log_prob, advantages, response_mask, **options) -> (loss, metrics)``,
     called with keywords as the built-in losses are (see :func:`hybridrl.algos.losses.ppo_clip_loss`); with
     ``per_token=True`` it returns the ``(batch, response)`` per-token loss, zero on padding."""
+    clip_cov_ratio: float = 0.0002
+    """Clip-Cov: the fraction of a micro-batch's valid tokens whose gradient is detached, in (0, 1] (Cui et al.
+    2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models", arXiv 2505.22617)."""
+    clip_cov_lb: float = 1.0
+    """Clip-Cov: only tokens whose covariance is above this bound are candidates."""
+    clip_cov_ub: float = 5.0
+    """Clip-Cov: only tokens whose covariance is below this bound are candidates; > clip_cov_lb."""
+    kl_cov_ratio: float = 0.0002
+    """KL-Cov: the fraction of a micro-batch's valid tokens, those of largest covariance, that get the KL term,
+    in (0, 1]."""
+    ppo_kl_coef: float = 0.1
+    """KL-Cov: weight of the ``|log pi - log pi_old|`` term on the selected tokens (verl's name), >= 0."""
 
 
 @dataclass

@@ -168,7 +168,7 @@ class ActorRolloutWorker(_TrainedRole):
         from hybridrl.rollout import VLLMRolloutEngine
 
         self.cfg = cfg
-        self.objective = ActorLoss(cfg.actor)  # a custom policy loss file is imported here, before any model
+        self.objective = ActorLoss(cfg.actor, cfg.algorithm.rollout_correction)  # a custom loss file is imported here
         dtype = getattr(torch, cfg.model.dtype)
         m = cfg.actor.megatron
         self.model = roles.build_actor(model_path, dtype=dtype, **model_options(m, "actor.megatron"))

@@ -329,8 +329,8 @@ CASES = [
     (TINY, ["actor.clip_ratio_low=0"], "actor.clip_ratio_low (0.0) must be in (0.0, 1.0)"),
     (TINY, ["actor.clip_ratio_high=-0.1"], "actor.clip_ratio_high (-0.1) must be positive"),
     (TINY, ["actor.clip_ratio_c=1.0"], "actor.clip_ratio_c (1.0) must be > 1 (dual-clip bound), e.g. 3.0"),
-    (TINY, ["actor.policy_loss.loss_mode=gspo"], "actor.policy_loss.loss_mode ('gspo') must be one of 'ppo_clip', "
-     "'vanilla', 'custom'"),
+    (TINY, ["actor.policy_loss.loss_mode=dpo"], "actor.policy_loss.loss_mode ('dpo') must be one of 'ppo_clip', "
+     "'vanilla', 'gspo', 'cispo', 'gpg', 'clip_cov', 'kl_cov', 'custom'"),
     (TINY, ["actor.policy_loss.loss_mode=custom"], "actor.policy_loss.loss_mode 'custom' needs actor.policy_loss.path "
      "(a .py file defining actor.policy_loss.name 'compute_policy_loss'); set it"),
     (TINY, ["actor.policy_loss.path=my_loss.py"], "actor.policy_loss.path ('my_loss.py') is used with "
@@ -353,7 +353,7 @@ CASES = [
      "set ref.enable=null"),
     # choices, counts, optimizer, sampling, lengths
     (TINY, ["algorithm.adv_estimator=gea"], "algorithm.adv_estimator ('gea') must be one of 'gae', 'grpo', 'rloo', "
-     "'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'remax'; did you mean 'gae'?"),
+     "'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'remax', 'gpg', 'pass_at_k'; did you mean 'gae'?"),
     (TINY, ["model.dtype=bf16"], "model.dtype ('bf16') must be one of 'bfloat16', 'float16', 'float32'; "
      "did you mean 'bfloat16'?"),
     (TINY, ["trainer.loggers=[console,wandbb]"], "trainer.loggers[1] ('wandbb') must be one of 'console', 'jsonl', "
