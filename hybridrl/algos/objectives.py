@@ -18,10 +18,7 @@ with the role's ``loss_agg_mode`` (:mod:`hybridrl.algos.aggregation`).
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ from hybridrl.algos.kl import kl_loss
 from hybridrl.algos.losses import POLICY_LOSSES, LossOutput, PolicyLossFn, entropy_bonus, value_loss
 from hybridrl.config.schema import RolloutCorrectionConfig
 from hybridrl.config.schema_roles import CUSTOM_POLICY_LOSS, ActorConfig, CriticConfig, PolicyLossConfig
+from hybridrl.user_code import load_user_function
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -49,24 +47,7 @@ def load_policy_loss(cfg: PolicyLossConfig) -> PolicyLossFn:
     file = Path(cfg.path or "")
     if cfg.path is None or not file.is_file():
         raise ValueError(f"actor.policy_loss.path ({cfg.path!r}) must be a .py file for loss_mode 'custom'")
-    module_name = "hybridrl_custom_policy_loss_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"actor.policy_loss.path ({cfg.path!r}) cannot be imported; it must be a .py file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses and pickling in the file need the module registered
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        del sys.modules[module_name]
-        raise ValueError(f"actor.policy_loss.path ({cfg.path!r}) failed to import ({type(err).__name__}: {err}); "
-                         "fix the file") from err  # fmt: skip
-    fn = getattr(module, cfg.name, None)
-    if not callable(fn):
-        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ValueError(f"actor.policy_loss.name ({cfg.name!r}) is not a function in {cfg.path!r} (it defines "
-                         f"{defined}); set actor.policy_loss.name")  # fmt: skip
-    return fn
+    return load_user_function(file, cfg.name, path_key="actor.policy_loss.path", name_key="actor.policy_loss.name")
 
 
 def policy_options(fn: PolicyLossFn, cfg: ActorConfig) -> dict[str, Any]:
