@@ -27,6 +27,7 @@ import torch
 
 from hybridrl.algos.kl import kl_loss
 from hybridrl.algos.losses import POLICY_LOSSES, LossOutput, PolicyLossFn, entropy_bonus, value_loss
+from hybridrl.algos.masked import masked_mean
 from hybridrl.config.schema import RolloutCorrectionConfig
 from hybridrl.config.schema_roles import CUSTOM_POLICY_LOSS, ActorConfig, CriticConfig, PolicyLossConfig
 from hybridrl.user_code import load_user_function
@@ -81,14 +82,18 @@ class ActorLoss:
         self.entropy_coeff = cfg.entropy_coeff
         self.kl = (cfg.kl_loss_type, cfg.kl_loss_coef) if cfg.use_kl_loss else None
         self.weighted = rollout_correction is not None and rollout_correction.rollout_is is not None
-        self.inputs = ("old_log_probs", "advantages", *(("ref_log_probs",) if self.kl else ()),
+        self.on_policy = cfg.recompute_old_log_prob is False
+        """No old-log-prob pass ran: the old policy is this forward's (``old_log_probs = log_probs.detach()``)."""
+        old = ("rollout_log_probs",) if self.on_policy else ("old_log_probs",)
+        self.inputs = (*old, "advantages", *(("ref_log_probs",) if self.kl else ()),
                        *(("rollout_is_weights",) if self.weighted else ()))  # fmt: skip
         """The batch keys it reads besides ``response_mask``."""
 
     def __call__(self, outputs: Tensors, batch: Tensors) -> LossOutput:
         """Per-token loss ``(b, r)`` and metrics from the head's ``log_probs`` / ``entropy`` ``(b, r)``."""
         mask, log_prob = batch["response_mask"], outputs["log_probs"]
-        out = self.policy(log_prob=log_prob, old_log_prob=batch["old_log_probs"], advantages=batch["advantages"],
+        old_log_prob = log_prob.detach() if self.on_policy else batch["old_log_probs"]
+        out = self.policy(log_prob=log_prob, old_log_prob=old_log_prob, advantages=batch["advantages"],
                           response_mask=mask, **self.options)  # fmt: skip
         if self.custom:
             _check_custom(out, mask)
@@ -98,6 +103,9 @@ class ActorLoss:
         ent, ent_metrics = entropy_bonus(outputs["entropy"], mask, per_token=True)
         loss = pg - self.entropy_coeff * ent
         metrics = {**metrics, **ent_metrics}
+        if self.on_policy:  # what the loop reads from the old-log-prob pass when there is one
+            gap = (log_prob.detach() - batch["rollout_log_probs"].to(log_prob.dtype)).abs()
+            metrics["rollout_logprob_mismatch"] = masked_mean(gap, mask)
         if self.kl:
             kl_type, coef = self.kl
             kl, kl_metrics = kl_loss(log_prob, batch["ref_log_probs"], mask, kl_type=kl_type, per_token=True)
