@@ -44,13 +44,11 @@ PAIRS = [{"prompt": "Copy: 482", "chosen": "482", "rejected": "428 1"},
 def _config(recipe: str, model: str, data: str, layout: dict):
     from hybridrl.config.checks_recipes import load_recipe_config
 
-    overrides = [f"model.path={model}", "model.dtype=float32", f"data.train_files=[{data}]", "trainer.n_gpus_per_node=2",
-                 f"actor.megatron.tp_size={layout.get('tp', 1)}", f"actor.megatron.pp_size={layout.get('pp', 1)}",
-                 f"actor.megatron.vpp_size={layout.get('vpp', 1)}",
-                 "actor.ppo_micro_batch_size_per_gpu=2", f"data.train_batch_size={4 if recipe == 'sft' else 2}",
-                 f"dpo.beta={BETA}",
-                 "data.max_prompt_length=24", "data.max_response_length=32", "actor.optim.clip_grad=0",
-                 "trainer.total_steps=1"]  # fmt: skip
+    sizes = [f"actor.megatron.{k}_size={layout.get(k, 1)}" for k in ("tp", "pp", "vpp")]
+    overrides = [f"model.path={model}", "model.dtype=float32", f"data.train_files=[{data}]", *sizes,
+                 "trainer.n_gpus_per_node=2", "actor.ppo_micro_batch_size_per_gpu=2", f"dpo.beta={BETA}",
+                 f"data.train_batch_size={4 if recipe == 'sft' else 2}", "data.max_prompt_length=24",
+                 "data.max_response_length=32", "actor.optim.clip_grad=0", "trainer.total_steps=1"]  # fmt: skip
     return load_recipe_config(recipe, None, overrides, world_size=2)
 
 
