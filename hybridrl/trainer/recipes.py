@@ -161,7 +161,7 @@ def run(recipe: str, config: str, overrides: list[str]) -> list[dict[str, float]
     """Run ``recipe`` ("sft" / "dpo") with ``config`` and ``overrides`` in this (already launched) process; returns
     the metric history."""
     from hybridrl.config import run_layout
-    from hybridrl.config.checks_recipes import load_recipe_config
+    from hybridrl.config.checks_recipes import check_schedule, load_recipe_config
     from hybridrl.distributed import apply_collective_timeout, detect_env, init_distributed, init_model_parallel
     from hybridrl.trainer.main import resolve_total_steps
     from hybridrl.trainer.offline import OfflineTrainer
@@ -179,6 +179,7 @@ def run(recipe: str, config: str, overrides: list[str]) -> list[dict[str, float]
     check_resume(cfg, model_path)
     train_ds, val_ds = _datasets(cfg, recipe, tokenizer, train_files, val_files)  # bad rows: one line, no model yet
     resolve_total_steps(cfg, len(train_ds))
+    check_schedule(cfg)
     if penv.rank == 0:
         val = f"; validation: {val_ds.summary()}" if val_ds is not None else ""
         print(f"[hybridrl] {recipe} run {cfg.trainer.project_name}/{cfg.trainer.experiment_name}: "

@@ -50,3 +50,12 @@ def test_recipe_config_errors_name_the_key(recipe, override, message):
 
 def test_ipo_refuses_label_smoothing():
     assert "no meaning for dpo.loss_type 'ipo'" in _error("dpo", "dpo.loss_type=ipo", "dpo.label_smoothing=0.1")
+
+
+def test_a_decaying_schedule_needs_steps_after_its_warmup():
+    from hybridrl.config.checks_recipes import check_schedule
+
+    cfg = load_recipe_config("sft", "tiny_cpu_sft.yaml", ["trainer.total_steps=5"])  # warmup 5, cosine
+    with pytest.raises(ConfigError, match=r"actor.optim.lr_warmup_steps \(5\) must be below .*total_steps 5"):
+        check_schedule(cfg)
+    check_schedule(load_recipe_config("sft", "tiny_cpu_sft.yaml", ["trainer.total_steps=6"]))
