@@ -1,6 +1,8 @@
 """The ``hybridrl`` command line (also ``python -m hybridrl``).
 
     hybridrl train CONFIG [key=value ...]          (under torchrun / srun: one process per device)
+    hybridrl sft CONFIG [key=value ...]            (supervised fine-tuning; under torchrun / srun)
+    hybridrl dpo CONFIG [key=value ...]            (preference pairs; under torchrun / srun)
     hybridrl validate-config CONFIG [key=value ...] [--world-size N] [--device-gib G] [--get KEY] [--inputs]
     hybridrl export CHECKPOINT OUT [--role actor] [--tp 1] [--pp 1]   (under torchrun, any number of processes)
     hybridrl version
@@ -29,6 +31,8 @@ USAGE = """hybridrl <command> [args]
 
 commands:
   train CONFIG [key=value ...]             run PPO/GRPO (launch with torchrun --nproc-per-node N -m hybridrl train)
+  sft CONFIG [key=value ...]               supervised fine-tuning on chat data (tiny_cpu_sft.yaml; under torchrun)
+  dpo CONFIG [key=value ...]               DPO / IPO / SimPO on preference pairs (tiny_cpu_dpo.yaml; under torchrun)
   validate-config CONFIG [key=value ...]   check a config, print it resolved, its parallel layouts and memory
                                            (--get KEY: print only that resolved value; --inputs: also open the
                                            data, tokenizer, model folders and scorer the run reads)
@@ -185,7 +189,24 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"validate-config": cmd_validate_config, "export": cmd_export, "train": cmd_train}
+def cmd_recipe(recipe: str, argv: list[str]) -> int:
+    """``hybridrl sft`` / ``hybridrl dpo`` (:mod:`hybridrl.trainer.recipes`)."""
+    if not argv or argv[0].startswith("-"):
+        usage = (f"usage: hybridrl {recipe} CONFIG [key=value ...]   (under torchrun / srun: one process per device)\n"
+                 f"  CONFIG: a packaged config name (tiny_cpu_{recipe}.yaml) or a YAML path; key=value overrides any "
+                 "field, e.g. trainer.total_steps=5")  # fmt: skip
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        print(usage, file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
+    from hybridrl.trainer.recipes import run
+
+    run(recipe, argv[0], argv[1:])
+    return 0
+
+
+RECIPE_COMMANDS = ("sft", "dpo")
+COMMANDS = {"validate-config": cmd_validate_config, "export": cmd_export, "train": cmd_train,
+            "sft": lambda argv: cmd_recipe("sft", argv), "dpo": lambda argv: cmd_recipe("dpo", argv)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"unknown command {command!r}; run 'hybridrl --help' for the list", file=sys.stderr)
         return 2
-    if command in ("train", "export") or "--inputs" in rest:  # --inputs loads Megatron to open model folders
+    if command in ("train", "export", *RECIPE_COMMANDS) or "--inputs" in rest:  # --inputs: Megatron opens model folders
         from hybridrl import console
 
         console.install()  # before Megatron / vLLM load: their known-harmless warnings stay off the console

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridrl.config.schema_recipes import DPOConfig, SFTConfig
 from hybridrl.config.schema_roles import ActorConfig, CriticConfig, RefConfig, RolloutConfig
 from hybridrl.errors import InputError
 
@@ -339,3 +340,7 @@ class RunConfig:
     """Loop length, scale, checkpoints, logging."""
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     """Process placement."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """The SFT recipe (``hybridrl sft``); unused by PPO/GRPO."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """The DPO recipe (``hybridrl dpo``); unused by PPO/GRPO."""
