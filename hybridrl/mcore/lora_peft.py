@@ -112,7 +112,7 @@ def adapter_tensors(
             pieces = dict.fromkeys(wmap.hf_names, parts[0])
         for hf, tensor in pieces.items():
             if hf in adapted:
-                out[_peft_key(hf, factor.upper())] = tensor.contiguous()
+                out[_peft_key(hf, factor.upper())] = tensor.clone()  # a shared A: one tensor per PEFT name
     return out
 
 
