@@ -30,7 +30,7 @@ def check_lora(cfg: RunConfig, world: int) -> None:
     if not 0.0 <= c.dropout < 1.0:
         _fail(f"actor.lora.dropout ({c.dropout!r}) must be in [0, 1); e.g. 0.05", "actor.lora.dropout")
     if not c.target_modules:
-        _fail(f"actor.lora.target_modules ([]) names no layer; e.g. [all-linear] or [q_proj, v_proj]",
+        _fail("actor.lora.target_modules ([]) names no layer; e.g. [all-linear] or [q_proj, v_proj]",
               "actor.lora.target_modules")  # fmt: skip
     for name in c.target_modules:
         if name not in LORA_TARGETS:
@@ -41,7 +41,8 @@ def check_lora(cfg: RunConfig, world: int) -> None:
     unsupported = (
         ("actor.megatron.sequence_parallel", cfg.actor.megatron.sequence_parallel, "false"),
         ("actor.param_offload", cfg.actor.param_offload, "false"),
-        ("ref.param_offload", cfg.ref.enable and cfg.ref.param_offload, "false (the reference has no weights of its own)"),
+        ("ref.param_offload", cfg.ref.enable and cfg.ref.param_offload,
+         "false (the reference has no weights of its own)"),
     )  # fmt: skip
     for key, bad, fix in unsupported:
         if bad:

@@ -7,8 +7,8 @@ state divided over DP only by Megatron's DistributedOptimizer (``optim.backend``
 ``megatron.use_distributed_optimizer``, whose "auto" / None mean on with CUDA, as the run decides).
 Frozen roles (reference, reward model) hold weights. A LoRA actor (``actor.lora``) holds its frozen weights plus
 the adapters, gradients and Adam state for the adapters only, and the reference is the actor itself
-(:mod:`hybridrl.config.memory_lora`); its report adds the same run's full fine-tuning total. Weights split over TP x PP (embedding and output layer
-over TP only).
+(:mod:`hybridrl.config.memory_lora`); its report adds the same run's full fine-tuning total. Weights split over
+TP x PP (embedding and output layer over TP only).
 
 The device is a GPU when ``--device-gib`` is given or the config uses CUDA graphs
 (``rollout.enforce_eager`` false); otherwise a CPU run, whose numbers are host RAM. On a GPU two phases are
@@ -294,7 +294,8 @@ def report(cfg: Any, device_gib: float | None = None, layout: Any = None) -> str
     if not est.on_gpu:
         lines.append(f"  {'total':18s} {phases[0]:8.2f}")
         if full is not None:
-            lines.append(f"  {'full fine-tuning':18s} {full.phases()[0]:8.2f}  the same run with actor.lora.enable=false")
+            same = "the same run with actor.lora.enable=false"
+            lines.append(f"  {'full fine-tuning':18s} {full.phases()[0]:8.2f}  {same}")
         return "\n".join(lines)
     asleep = "vLLM asleep" if est.vllm_sleeps else "vLLM awake (rollout.free_cache_engine false)"
     if phases is None:

@@ -56,7 +56,6 @@ from hybridrl.mcore.checkpoint_safety import (
 from hybridrl.mcore.optimizer import MegatronOptimizer
 from hybridrl.mcore.roles import RoleModel, score_model_chunks
 
-
 LORA_FILE = "lora.json"
 """``<role>/lora.json``: the LoRA settings of an adapted model (:func:`hybridrl.mcore.lora.apply_config`)."""
 

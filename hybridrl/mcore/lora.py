@@ -78,9 +78,7 @@ def resolve_targets(targets: Iterable[str]) -> dict[str, tuple[str, ...]]:
             module, part = HF_TARGETS[name]
             out.setdefault(module, set()).add(part)
         else:
-            raise LoRAError(
-                f"actor.lora.target_modules: {name!r} matches no layer; choose from {list(KNOWN_TARGETS)}"
-            )
+            raise LoRAError(f"actor.lora.target_modules: {name!r} matches no layer; choose from {list(KNOWN_TARGETS)}")
     if not out:
         raise LoRAError(f"actor.lora.target_modules is empty; name at least one of {list(KNOWN_TARGETS)}")
     return {m: tuple(p for p in MODULES[m] if p in parts) for m, parts in out.items()}

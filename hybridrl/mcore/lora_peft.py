@@ -56,8 +56,9 @@ def _gather(chunks: list[torch.nn.Module], tensor_of: Callable) -> tuple[dict[st
         for factor in ("a", "b"):
             local[f"{name}.lora_{factor}"] = (tensor_of(getattr(module, f"lora_{factor}")).detach(),
                                               {"parts": spec.parts, "column": spec.column})  # fmt: skip
+    meta_of = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch."), s) for n, (t, s) in local.items()}
     mine = {"tp": mpu.get_tensor_model_parallel_rank(), "dp": mpu.get_data_parallel_rank(with_context_parallel=True),
-            "meta": {n: (tuple(t.shape), str(t.dtype).removeprefix("torch."), s) for n, (t, s) in local.items()}}  # fmt: skip
+            "meta": meta_of}  # fmt: skip
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     holders: dict[str, list[tuple[int, int]]] = {}
@@ -156,10 +157,13 @@ def load_peft_adapter(chunks: list[torch.nn.Module], shape: GPTShape, path: str 
         for base, module in lora.global_adapted_modules(chunks):
             spec = getattr(module, lora.ATTR)
             if module.lora_a.shape[0] != config["r"]:
-                raise lora.LoRAError(f"{path}: r ({config['r']}) differs from actor.lora.rank ({module.lora_a.shape[0]})")
+                raise lora.LoRAError(
+                    f"{path}: r ({config['r']}) differs from actor.lora.rank ({module.lora_a.shape[0]}); "
+                    f"set actor.lora.rank={config['r']}"
+                )
             wmap = _weight_map(shape, tp, f"{base}.lora_b")
             keys = {hf: (_peft_key(hf, "A"), _peft_key(hf, "B")) for hf in wmap.hf_names if _part_of(hf) in spec.parts}
-            for hf, (ka, kb) in keys.items():
+            for ka, kb in keys.values():
                 if ka not in tensors or kb not in tensors:
                     raise lora.LoRAError(f"{path} lacks {ka} / {kb}; the adapter targets another set of modules")
             a_full = [tensors[ka] for ka, _ in keys.values()]

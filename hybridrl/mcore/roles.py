@@ -136,7 +136,9 @@ class RoleModel:
         """Write this role's model as an HF folder (collective; see :func:`bridge.export`); LoRA adapters merged."""
         self.require_onloaded()
         with lora.merged(self.chunks):
-            bridge.export(self.chunks, self.shape, self.hf_config, out_dir, head=self.head, source=self.source, **kwargs)
+            bridge.export(
+                self.chunks, self.shape, self.hf_config, out_dir, head=self.head, source=self.source, **kwargs
+            )
 
 
 def _sync_over_tp(tensor: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ PEFT's folder through :func:`~hybridrl.mcore.lora_peft.load_peft_adapter` and, a
 - gradients of a cross-entropy loss w.r.t. the factors == PEFT's (a shared ``A``'s gradient is the sum of its
   projections'), the optimizer holds only the factors and its grad norm == the norm of PEFT's gradients (TP2, PP2);
 - the hybrid engine's push inside ``lora.merged`` (HF layout) == PEFT's ``merge_and_unload`` weights;
+- the memory report's adapter count (:mod:`hybridrl.config.memory_lora`) == what this rank allocated;
 - exports at TP2: the merged HF folder and the PEFT folder (loaded back by ``peft.PeftModel``) give PEFT's logits
   (trainer checkpoints of an adapted actor: tests/trainer/test_lora_e2e.py).
 
@@ -132,6 +133,7 @@ def _body(rank: int, world: int, path: str, adapter: str, out_dir: str, ids: tor
         section.backend = "torch"
         opt = build_optimizer(actor.chunks, optim_config(section, 1))
         res["trained"] = (len(opt.params), len(list(lora.adapter_parameters(actor.chunks))))
+        res["adapter_numel"] = sum(p.numel() for _, p in lora.adapter_parameters(actor.chunks))
         res["grad_norm"] = opt.step().grad_norm
         if name == "tp2":
             actor = build()
@@ -201,6 +203,20 @@ def test_only_adapters_train_and_grad_norm_counts_them(runs, layout):
     unique = {k: v for k, v in runs.ref["grads"].items() if not k.endswith(shared)}
     want = float(torch.stack([g.norm() for g in unique.values()]).norm())
     assert abs(got["grad_norm"] - want) <= 1e-5 * want
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_memory_report_counts_the_adapters_megatron_allocates(runs, layout):
+    from hybridrl.config.memory import Arch
+    from hybridrl.config.memory_lora import adapter_params
+
+    c = hf_tiny._COMMON
+    arch = Arch(vocab=c["vocab_size"], hidden=c["hidden_size"], ffn=c["intermediate_size"],
+                layers=c["num_hidden_layers"], heads=c["num_attention_heads"], kv_heads=c["num_key_value_heads"],
+                head_dim=c["hidden_size"] // c["num_attention_heads"], tied=False)  # fmt: skip
+    sizes = {"tp": 1, "pp": 1, **LAYOUTS[layout]}
+    want = adapter_params(arch, types.SimpleNamespace(rank=R, target_modules=TARGETS), sizes["tp"], sizes["pp"])
+    assert runs.got[layout]["adapter_numel"] == want
 
 
 def test_sabotaged_tensor_parallel_rule_is_caught(runs):
