@@ -96,6 +96,22 @@ def _megatron_grads(chunks, shape, ids):
     return lora_peft.adapter_tensors(chunks, shape, tensor_of=lambda p: p.grad)
 
 
+def _untied_adapter(adapter: str, out: str) -> str:
+    """A copy of ``adapter`` whose layer-0 v_proj has its own lora_A: no rank-r fused form."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter, out, dirs_exist_ok=True)
+    weights = os.path.join(out, "adapter_model.safetensors")
+    tensors = load_file(weights)
+    key = "base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight"
+    tensors[key] = tensors[key] + 1.0
+    save_file(tensors, weights)
+    return out
+
+
 def _body(rank: int, world: int, path: str, adapter: str, out_dir: str, ids: torch.Tensor) -> dict:
     import os
 
@@ -135,6 +151,13 @@ def _body(rank: int, world: int, path: str, adapter: str, out_dir: str, ids: tor
         res["trained"] = (len(opt.params), len(list(lora.adapter_parameters(actor.chunks))))
         res["adapter_numel"] = sum(p.numel() for _, p in lora.adapter_parameters(actor.chunks))
         res["grad_norm"] = opt.step().grad_norm
+        if name == "tp1":
+            try:
+                lora_peft.load_peft_adapter(
+                    actor.chunks, actor.shape, _untied_adapter(adapter, f"{out_dir}/untied{rank}")
+                )
+            except lora.LoRAError as err:
+                res["untied_error"] = str(err)
         if name == "tp2":
             actor = build()
             lora_peft.load_peft_adapter(actor.chunks, actor.shape, adapter)
@@ -217,6 +240,20 @@ def test_memory_report_counts_the_adapters_megatron_allocates(runs, layout):
     sizes = {"tp": 1, "pp": 1, **LAYOUTS[layout]}
     want = adapter_params(arch, types.SimpleNamespace(rank=R, target_modules=TARGETS), sizes["tp"], sizes["pp"])
     assert runs.got[layout]["adapter_numel"] == want
+
+
+def test_adapter_without_a_fused_form_is_refused(runs):
+    err = runs.got["tp1"]["untied_error"]
+    want = ": the projections of decoder.layers.0.self_attention.linear_qkv have different lora_A; a fused Megatron "
+    assert err.endswith(want + "linear shares one A (adapters saved by hybridrl have it)")
+
+
+def test_unknown_target_names_no_layer():
+    from hybridrl.mcore.lora import LoRAError, resolve_targets
+
+    assert resolve_targets(["q_proj", "linear_fc1"]) == {"linear_qkv": ("q",), "linear_fc1": ("gate", "up")}
+    with pytest.raises(LoRAError, match=r"^actor.lora.target_modules: 'qkv' matches no layer; choose from"):
+        resolve_targets(["qkv"])
 
 
 def test_sabotaged_tensor_parallel_rule_is_caught(runs):
