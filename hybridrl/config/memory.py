@@ -5,8 +5,10 @@ local folder). Per rank, each trainable role (actor, critic) holds weights (2 B/
 fp32 gradients (4 B) and Adam state (8 B of moments, + 4 B fp32 master copy of 16-bit weights), the Adam
 state divided over DP only by Megatron's DistributedOptimizer (``optim.backend`` and
 ``megatron.use_distributed_optimizer``, whose "auto" / None mean on with CUDA, as the run decides).
-Frozen roles (reference, reward model) hold weights. Weights split over TP x PP (embedding and output layer
-over TP only).
+Frozen roles (reference, reward model) hold weights. A LoRA actor (``actor.lora``) holds its frozen weights plus
+the adapters, gradients and Adam state for the adapters only, and the reference is the actor itself
+(:mod:`hybridrl.config.memory_lora`); its report adds the same run's full fine-tuning total. Weights split over
+TP x PP (embedding and output layer over TP only).
 
 The device is a GPU when ``--device-gib`` is given or the config uses CUDA graphs
 (``rollout.enforce_eager`` false); otherwise a CPU run, whose numbers are host RAM. On a GPU two phases are
@@ -24,6 +26,8 @@ import json
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from hybridrl.config.memory_lora import adapter_params
 
 GIB = 2**30
 
@@ -213,14 +217,20 @@ def estimate(cfg: Any, device_gib: float | None = None, layout: Any = None) -> E
     wbytes = 4 if cfg.model.dtype == "float32" else 2
     parts: dict[str, Part] = {}
 
+    lora = cfg.actor.lora if cfg.actor.lora.enable else None
+
     def trainable(role: str, section: Any, shape: Arch, lm_head: bool) -> None:
         n = per_rank_params(shape, layout.tp, layout.pp, lm_head)
         optim, why = optimizer_bytes(section.optim, section.megatron, cfg.model.dtype, on_gpu, layout.dp)
         when = "while vLLM generates" if role == "actor" else "outside its passes"
         weights, state = on_gpu and section.param_offload, on_gpu and section.optimizer_offload
-        parts[f"{role} weights"] = Part(n * wbytes / GIB, away=f"host RAM {when}" * weights)
-        parts[f"{role} grads"] = Part(n * 4 / GIB, "fp32", away=f"freed {when}" * state)
-        parts[f"{role} optimizer"] = Part(n * optim / GIB, why, away=f"host RAM {when}" * state)
+        trained, adapters, note = n, 0, ""
+        if role == "actor" and lora is not None:  # frozen weights + adapters; grads and Adam state for adapters only
+            trained = adapters = adapter_params(shape, lora, layout.tp, layout.pp)
+            note = f"+ LoRA r={lora.rank}: {adapters / 1e6:.2f}M trained params"
+        parts[f"{role} weights"] = Part((n + adapters) * wbytes / GIB, note, away=f"host RAM {when}" * weights)
+        parts[f"{role} grads"] = Part(trained * 4 / GIB, "fp32", away=f"freed {when}" * state)
+        parts[f"{role} optimizer"] = Part(trained * optim / GIB, why, away=f"host RAM {when}" * state)
 
     def frozen(name: str, shape: Arch, lm_head: bool, offload: bool) -> None:
         n = per_rank_params(shape, layout.tp, layout.pp, lm_head)
@@ -228,7 +238,9 @@ def estimate(cfg: Any, device_gib: float | None = None, layout: Any = None) -> E
         parts[name] = Part(n * wbytes / GIB, away=away, away_in_training=bool(away))
 
     trainable("actor", cfg.actor, arch, True)  # every role on the run's one layout
-    if cfg.ref.enable:
+    if cfg.ref.enable and lora is not None:
+        parts["reference weights"] = Part(0.0, "the actor with its LoRA adapters off (no copy)")
+    elif cfg.ref.enable:
         frozen("reference weights", arch, True, cfg.ref.param_offload)
     if cfg.critic.enable:
         critic = architecture(cfg, cfg.critic.model_path) if cfg.critic.model_path else arch
@@ -252,6 +264,17 @@ def estimate(cfg: Any, device_gib: float | None = None, layout: Any = None) -> E
     return Estimate(device, on_gpu, device_gib, parts, rollout, r.gpu_memory_utilization, note, sleeps)
 
 
+def _full_fine_tuning(cfg: Any, device_gib: float | None, layout: Any) -> Estimate | None:
+    """The estimate of the same run without LoRA (the comparison a LoRA config's report prints); None otherwise."""
+    if not cfg.actor.lora.enable:
+        return None
+    import copy
+
+    full = copy.deepcopy(cfg)
+    full.actor.lora.enable = False
+    return estimate(full, device_gib, layout)
+
+
 def report(cfg: Any, device_gib: float | None = None, layout: Any = None) -> str:
     """Printable lines of :func:`estimate`."""
     arch = architecture(cfg)
@@ -267,8 +290,12 @@ def report(cfg: Any, device_gib: float | None = None, layout: Any = None) -> str
     rollout = "" if est.rollout_gib is None else f"{est.rollout_gib:.2f}"
     lines.append(f"  {'rollout (vLLM)':18s} {rollout:>8s}  {est.rollout_note}")
     phases = est.phases()
+    full = _full_fine_tuning(cfg, device_gib, layout)
     if not est.on_gpu:
         lines.append(f"  {'total':18s} {phases[0]:8.2f}")
+        if full is not None:
+            same = "the same run with actor.lora.enable=false"
+            lines.append(f"  {'full fine-tuning':18s} {full.phases()[0]:8.2f}  {same}")
         return "\n".join(lines)
     asleep = "vLLM asleep" if est.vllm_sleeps else "vLLM awake (rollout.free_cache_engine false)"
     if phases is None:
@@ -279,6 +306,9 @@ def report(cfg: Any, device_gib: float | None = None, layout: Any = None) -> str
         return "\n".join(lines)
     lines.append(f"  {'while generating':18s} {phases[0]:8.2f}")
     lines.append(f"  {'while training':18s} {phases[1]:8.2f}  {asleep}")
+    if full is not None:
+        lines.append(f"  {'full fine-tuning':18s} {max(full.phases()):8.2f}  peak of the same run with "
+                     "actor.lora.enable=false")  # fmt: skip
     if max(phases) > device_gib:
         lines.append(
             f"  warning: {max(phases):.0f} GiB > the GPU's {device_gib:g} GiB; raise tp/pp, offload (actor/critic "

@@ -134,6 +134,31 @@ class PolicyLossConfig:
     """KL-Cov: weight of the ``|log pi - log pi_old|`` term on the selected tokens (verl's name), >= 0."""
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "linear_qkv",
+                "linear_proj", "linear_fc1", "linear_fc2", "all-linear")  # fmt: skip
+"""Names actor.lora.target_modules accepts: HF / PEFT projections, Megatron's linears, or every linear."""
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the actor's linears (Hu et al. 2021): only they train; the reference policy is the
+    actor with them off; the rollout gets the merged weights (docs/lora.md)."""
+
+    enable: bool = False
+    """Train LoRA adapters instead of every weight."""
+    rank: int = 8
+    """The adapters' rank r (>= 1)."""
+    alpha: float = 16.0
+    """Scale numerator: the update is (alpha / rank) * B @ A."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input during training, in [0, 1)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Linears to adapt in every decoder layer: HF / PEFT names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj), Megatron's (linear_qkv, linear_proj, linear_fc1, linear_fc2) or "all-linear"."""
+    init_seed: int = 0
+    """Seed of the initial A factors (B starts at zero); each layer and module draws its own from it."""
+
+
 @dataclass
 class ActorConfig:
     """The policy being trained (Megatron) and its PPO-style update."""
@@ -198,6 +223,8 @@ class ActorConfig:
     """Offload actor weights to CPU while they are not needed (rollout phase)."""
     optimizer_offload: bool = False
     """Offload optimizer state to CPU outside the update."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters (off by default: full fine-tuning)."""
 
 
 @dataclass

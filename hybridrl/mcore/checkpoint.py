@@ -8,6 +8,7 @@ Owns the Megatron half of a checkpoint folder (``hybridrl.trainer.checkpoint`` o
     <role>/optim/             GPU path (MegatronOptimizer): Megatron's sharded optimizer state (dist_checkpointing)
     <role>/lr.json            updates applied (the LR schedule is a pure function of it, lr_schedule.py)
     <role>/config.json        the role's HF config (what ``hybridrl export`` builds the model from)
+    <role>/lora.json          LoRA settings, for an adapted actor (the rebuild adds the adapters before loading)
 
 The model part is layout-free: sharded tensors are keyed by their GLOBAL names and offsets (layer number
 over PP and VPP, rows over TP), so a checkpoint saved at TP2 loads exactly at TP1, PP2 or with VPP chunks.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import types
 import warnings
 from typing import Any
 
@@ -44,7 +46,7 @@ from megatron.core.tensor_parallel import random as mrandom
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hybridrl.mcore import gpt, hf_config
+from hybridrl.mcore import gpt, hf_config, lora
 from hybridrl.mcore.checkpoint_safety import (
     CorruptCheckpointError,
     check_dist_checkpoint,
@@ -53,6 +55,9 @@ from hybridrl.mcore.checkpoint_safety import (
 )
 from hybridrl.mcore.optimizer import MegatronOptimizer
 from hybridrl.mcore.roles import RoleModel, score_model_chunks
+
+LORA_FILE = "lora.json"
+"""``<role>/lora.json``: the LoRA settings of an adapted model (:func:`hybridrl.mcore.lora.apply_config`)."""
 
 
 def layout_signature() -> dict[str, int]:
@@ -117,6 +122,9 @@ def save_role(model: RoleModel, optimizer: Any, path: str) -> None:
     rank = dist.get_rank()
     if rank == 0:
         model.hf_config.to_json_file(os.path.join(path, "config.json"))
+        if lora.settings_of(model.chunks) is not None:  # the rebuild adapts the model before loading it
+            with open(os.path.join(path, LORA_FILE), "w") as f:
+                json.dump(lora.settings_of(model.chunks), f)
         with open(os.path.join(path, "source.json"), "w") as f:
             json.dump({"source": model.source, "head": model.head}, f)
     if optimizer is None:
@@ -197,12 +205,16 @@ def build_from_checkpoint(role_dir: str, role: str = "actor", dtype: torch.dtype
         chunks = score_model_chunks(shape, config, dtype)
     else:
         chunks = gpt.build_model_chunks(shape, config)
-    load_model(chunks, os.path.join(role_dir, "model"))
     source = role_dir
     if os.path.isfile(os.path.join(role_dir, "source.json")):
         with open(os.path.join(role_dir, "source.json")) as f:
             source = json.load(f)["source"]  # the HF folder the run started from: tokenizer files come from it
-    return RoleModel(role, chunks, shape, config, hf, head, trainable=False, source=source)
+    model = RoleModel(role, chunks, shape, config, hf, head, trainable=False, source=source)
+    if os.path.isfile(os.path.join(role_dir, LORA_FILE)):
+        with open(os.path.join(role_dir, LORA_FILE)) as f:
+            lora.apply_config(model, types.SimpleNamespace(**json.load(f)))
+    load_model(chunks, os.path.join(role_dir, "model"))
+    return model
 
 
 def rng_state() -> dict[str, Any]:

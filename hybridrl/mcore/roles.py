@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
 
-from hybridrl.mcore import bridge, gpt, hf_config
+from hybridrl.mcore import bridge, gpt, hf_config, lora
 
 ROLES = ("actor", "reference", "critic", "reward")
 
@@ -133,9 +133,12 @@ class RoleModel:
             raise RuntimeError(f"{self.role} model is offloaded; call onload() before using it")
 
     def export(self, out_dir: str | os.PathLike, **kwargs: Any) -> None:
-        """Write this role's model as an HF folder (collective; see :func:`bridge.export`)."""
+        """Write this role's model as an HF folder (collective; see :func:`bridge.export`); LoRA adapters merged."""
         self.require_onloaded()
-        bridge.export(self.chunks, self.shape, self.hf_config, out_dir, head=self.head, source=self.source, **kwargs)
+        with lora.merged(self.chunks):
+            bridge.export(
+                self.chunks, self.shape, self.hf_config, out_dir, head=self.head, source=self.source, **kwargs
+            )
 
 
 def _sync_over_tp(tensor: torch.Tensor) -> None:

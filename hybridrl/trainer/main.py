@@ -266,6 +266,7 @@ def export(checkpoint: str, out: str, role: str = "actor", tp: int = 1, pp: int 
     """
     penv = init_distributed()
     init_model_parallel(ParallelLayout.from_world(penv.world_size, tp=tp, pp=pp), seed=0)
+    from hybridrl.mcore import lora_peft
     from hybridrl.mcore.checkpoint import build_from_checkpoint
 
     role_dir = os.path.join(checkpoint, role)
@@ -275,6 +276,9 @@ def export(checkpoint: str, out: str, role: str = "actor", tp: int = 1, pp: int 
         newest = newest_checkpoint(checkpoint)  # a run folder (trainer.default_local_dir) instead of a step
         hint = f"; it holds checkpoints: the newest is {newest}" if newest else ""
         raise ModelPathError(f"{role_dir}/model not found; pass a global_step_N folder holding the {role}{hint}")
-    build_from_checkpoint(role_dir, role).export(out)
+    model = build_from_checkpoint(role_dir, role)
+    model.export(out)  # LoRA adapters merged into the weights
+    adapter = lora_peft.export_role(model, os.path.join(out, lora_peft.ADAPTER_DIR))  # and as a PEFT folder
     if penv.rank == 0:
-        print(f"[hybridrl] exported {role} of {checkpoint} to {out}", flush=True)
+        also = f" (LoRA adapter: {adapter})" if adapter else ""
+        print(f"[hybridrl] exported {role} of {checkpoint} to {out}{also}", flush=True)

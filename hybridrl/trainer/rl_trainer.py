@@ -63,10 +63,10 @@ def role_workers(
     """
     dtype = cfg.model.dtype
     actor = (cfg.actor, cfg.rollout, layout, model_path, dtype, optimizer_steps(cfg, "actor"), tokenizer,
-             cfg.algorithm.rollout_correction)  # fmt: skip
+             cfg.algorithm.rollout_correction, cfg.ref.log_prob_micro_batch_size_per_gpu)  # fmt: skip
     share = cfg.actor.share_prompt_prefix
     out = {"actor": ClassWithInitArgs(ActorRolloutWorker, *actor)}
-    if cfg.ref.enable:
+    if cfg.ref.enable and not cfg.actor.lora.enable:  # with LoRA the actor, adapters off, is the reference
         out["ref"] = ClassWithInitArgs(ReferenceWorker, cfg.ref, model_path, dtype, cfg.rollout.temperature, share)
     if cfg.critic.enable:
         out["critic"] = ClassWithInitArgs(
@@ -105,6 +105,8 @@ class RLTrainer:
                 print(f"[hybridrl] {update_schedule(cfg, role)}", flush=True)
         self.actor = WorkerGroup(pool, workers["actor"])
         self.ref = WorkerGroup(pool, workers["ref"]) if "ref" in workers else None
+        if cfg.ref.enable and cfg.actor.lora.enable:
+            self.ref = self.actor  # its compute_ref_log_prob: the actor's model with the adapters off
         self.rm = WorkerGroup(pool, workers["rm"]) if "rm" in workers else None
         self.critic = WorkerGroup(pool, workers["critic"]) if "critic" in workers else None
         self.loader = PromptLoader(

@@ -32,7 +32,7 @@ from hybridrl.config.schema import RewardModelConfig, RolloutCorrectionConfig
 from hybridrl.config.schema_roles import ActorConfig, CriticConfig, RefConfig, RolloutConfig
 from hybridrl.distributed.layout import ParallelLayout
 from hybridrl.mcore import checkpoint as mckpt
-from hybridrl.mcore import compute, roles
+from hybridrl.mcore import compute, lora, roles
 from hybridrl.mcore.optimizer import OptimConfig, build_optimizer, move_model_weights, move_optimizer_state
 from hybridrl.mcore.parallel_state import data_parallel_info, rollout_replica_info
 from hybridrl.protocol import DataProto
@@ -212,6 +212,8 @@ class ActorRolloutWorker(_TrainedRole):
         optimizer_steps: optimizer updates over the run (the LR schedule's length).
         tokenizer: the run's tokenizer (its EOS ends responses; an HF folder lets vLLM match ``rollout.stop``).
         rollout_correction: ``algorithm.rollout_correction`` (its TIS weights enter the policy loss), or None.
+        ref_micro_batch_size: ``ref.log_prob_micro_batch_size_per_gpu`` where this worker serves the reference
+            (``actor.lora``: the actor with its adapters off, :meth:`compute_ref_log_prob`).
     """
 
     def __init__(
@@ -224,6 +226,7 @@ class ActorRolloutWorker(_TrainedRole):
         optimizer_steps: int,
         tokenizer: Any = None,
         rollout_correction: RolloutCorrectionConfig | None = None,
+        ref_micro_batch_size: int | None = None,
     ) -> None:
         from hybridrl.hybrid_engine import RolloutSwitch
         from hybridrl.rollout import VLLMRolloutEngine
@@ -232,6 +235,9 @@ class ActorRolloutWorker(_TrainedRole):
         self.objective = ActorLoss(actor, rollout_correction)  # a custom policy loss file is imported here
         m = actor.megatron
         self.model = roles.build_actor(model_path, dtype=getattr(torch, dtype), **model_options(m, "actor.megatron"))
+        if actor.lora.enable:  # before the optimizer: only the adapters train
+            lora.apply_config(self.model, actor.lora)
+        self.ref_micro_batch_size = ref_micro_batch_size or actor.ppo_micro_batch_size_per_gpu
         self.optimizer = build_optimizer(self.model.chunks, optim_config(actor.optim, optimizer_steps, m))
         self._setup_dp()
         self.rollout_dp_size, self.rollout_dp_rank, self.rollout_dp_group = rollout_replica_info(layout)
@@ -248,8 +254,10 @@ class ActorRolloutWorker(_TrainedRole):
     def switch_to_rollout(self) -> dict[str, float]:
         """Training -> generation layout: this version of the actor's weights in vLLM (pushed unless vLLM holds
         it already), vLLM awake, what generation does not need parked; see
-        :meth:`~hybridrl.hybrid_engine.switch.RolloutSwitch.to_rollout`. Rank 0's push metrics."""
-        return self.switch.to_rollout(self.version)
+        :meth:`~hybridrl.hybrid_engine.switch.RolloutSwitch.to_rollout`. Rank 0's push metrics. With LoRA the
+        push reads the merged weights ``W + scale * B @ A`` (:func:`hybridrl.mcore.lora.merged`)."""
+        with lora.merged(self.model.chunks):
+            return self.switch.to_rollout(self.version)
 
     @register(Dispatch.DP_COMPUTE, mesh="rollout")
     def generate_sequences(self, prompts: DataProto, **sampling: Any) -> DataProto:
@@ -280,6 +288,18 @@ class ActorRolloutWorker(_TrainedRole):
             share_prefix=self.actor_cfg.share_prompt_prefix,
         )
         return DataProto.from_dict(tensors={"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``ref_log_probs`` ``(b, r)`` with ``actor.lora``: the reference policy is this model with its adapters
+        off (no second copy of the weights); scored at the sampling temperature, as the reference worker does."""
+        with lora.disabled(self.model.chunks):
+            out = compute.compute_log_probs(
+                self.model.chunks, _tensors(data, COMPUTE_KEYS), self.ref_micro_batch_size,
+                temperature=self.rollout_cfg.temperature or 1.0, vocab_size=self.model.shape.vocab_size,
+                share_prefix=self.actor_cfg.share_prompt_prefix,
+            )  # fmt: skip
+        return DataProto.from_dict(tensors={"ref_log_probs": out["log_probs"]})
 
     @register(Dispatch.DP_COMPUTE)
     def update_actor(self, data: DataProto) -> DataProto:

@@ -442,6 +442,8 @@ CASES = [
     (P7, ["data.max_prompt_length=4096"], "max_position_embeddings of meta-llama/Llama-2-7b-hf (4096) must be >= "
      "rollout.max_model_len (4608); lower data.max_prompt_length + data.max_response_length (or, if the checkpoint "
      "takes longer inputs, set model.architecture.max_position_embeddings)"),
+    (TINY, ["actor.lora.enable=true", "actor.lora.rank=0"], "actor.lora.rank (0) must be >= 1; set e.g. "
+     "actor.lora.rank=8"),
 ]  # fmt: skip
 
 
