@@ -70,9 +70,9 @@ class TokenModel(torch.nn.Module):
         index = response_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
         out = self.head(hidden.gather(1, index))
         if self.kind == "value":
-            return out.squeeze(-1).float()
+            return out.squeeze(-1).float().clone()  # not a view: FSDP hooks the root's output for its backward
         logits = out.float() / temperature
-        return logits.log_softmax(-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        return logits.log_softmax(-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1).clone()
 
 
 @functools.cache
@@ -127,18 +127,24 @@ def shard(model: TokenModel, dtype: torch.dtype, mesh: DeviceMesh | None = None)
     return model
 
 
-def _backbone(path: str) -> tuple[torch.nn.Module, Any]:
-    import transformers
+def _from_pretrained(cls: Any, path: str) -> torch.nn.Module:
+    """``cls.from_pretrained(path)`` in fp32 (the master copy), without transformers' load report: the critic's
+    backbone is read from a folder that may hold a head (``score.weight``, ``lm_head``) it does not use."""
+    from transformers.utils import logging
 
-    causal = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return causal, causal.config
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        return cls.from_pretrained(path, dtype=torch.float32)
+    finally:
+        logging.set_verbosity(level)
 
 
 def build_critic(path: str, dtype: torch.dtype = torch.float32) -> TokenModel:
     """The trainable critic from the HF folder ``path``: backbone + ``score`` head (module docs), sharded."""
     import transformers
 
-    backbone = transformers.AutoModel.from_pretrained(path, dtype=torch.float32)
+    backbone = _from_pretrained(transformers.AutoModel, path)
     hidden = backbone.config.hidden_size
     head = torch.nn.Linear(hidden, 1, bias=False)
     weight = read_checkpoint_tensor(path, "score.weight")
@@ -157,9 +163,11 @@ def build_critic(path: str, dtype: torch.dtype = torch.float32) -> TokenModel:
 
 def build_reference(path: str, dtype: torch.dtype = torch.float32) -> TokenModel:
     """The frozen reference policy from the HF causal-LM folder ``path`` (eval mode, no gradients), sharded."""
-    causal, config = _backbone(path)
-    model = TokenModel(causal.model, causal.lm_head, "log_prob")
-    model.config = config
+    import transformers
+
+    causal = _from_pretrained(transformers.AutoModelForCausalLM, path)
+    model = TokenModel(causal.base_model, causal.get_output_embeddings(), "log_prob")
+    model.config = causal.config
     for p in model.parameters():
         p.requires_grad_(False)
     return shard(model.eval(), dtype)
