@@ -2,7 +2,7 @@
 
 The critic is built as the trainer builds it (``role_workers`` of tiny_cpu.yaml with ``critic.backend`` and the
 layout overridden, from one random-init HF Llama folder with a value head, made here: ``--hidden 512 --layers 8``
-by default, ~45M parameters, fp32), runs ``compute_values`` + ``update_critic`` on 16 responses, and reports per rank:
+by default, ~40M parameters, fp32), runs ``compute_values`` + ``update_critic`` on 16 responses, and reports per rank:
 
 - ``state MB``: parameters + gradients (one per trainable parameter, what an update holds) + Adam moments, counted
   from the tensors this rank holds (a DTensor counts its local shard);

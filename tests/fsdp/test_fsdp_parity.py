@@ -138,6 +138,12 @@ def test_fsdp_roles_match_megatron_and_hf(tmp_path):
     meg, fsdp = got[0]["megatron"], got[0]["fsdp"]
 
     hf = _hf_log_probs(lm, batch)
+    diffs = {
+        "ref fsdp-hf": _max_diff(fsdp["log_probs"], hf, mask),
+        "ref megatron-hf": _max_diff(meg["log_probs"], hf, mask),
+        **{f"{k} fsdp-megatron": _max_diff(fsdp[k], meg[k], mask) for k in ("values0", "values1", "values2")},
+    }
+    print("max abs differences:", {k: f"{v:.1e}" for k, v in diffs.items()})  # shown with pytest -s
     assert _max_diff(fsdp["log_probs"], hf, mask) <= 1e-5
     assert _max_diff(meg["log_probs"], hf, mask) <= 1e-5
     assert _max_diff(fsdp["log_probs"], meg["log_probs"], mask) <= 1e-5
