@@ -442,6 +442,9 @@ CASES = [
     (P7, ["data.max_prompt_length=4096"], "max_position_embeddings of meta-llama/Llama-2-7b-hf (4096) must be >= "
      "rollout.max_model_len (4608); lower data.max_prompt_length + data.max_response_length (or, if the checkpoint "
      "takes longer inputs, set model.architecture.max_position_embeddings)"),
+    # what the FSDP backend cannot serve (hybridrl/config/checks_fsdp.py; its other rules: tests/fsdp)
+    (TINY, ["critic.backend=fsdp", "critic.optim.backend=megatron"], "critic.optim.backend ('megatron') is "
+     "Megatron's optimizer, and critic.backend is 'fsdp' (AdamW on the FSDP shards); set critic.optim.backend=auto"),
 ]  # fmt: skip
 
 
