@@ -10,6 +10,9 @@ The state dicts are FSDP's sharded ones (``get_state_dict``): tensors keyed by p
 shapes, so a checkpoint saved on N ranks loads on M, model and Adam moments alike (DCP reshards on load), and on
 the same ranks it resumes bit-exactly.
 
+:func:`export_role` writes a saved critic as an HF ``*ForSequenceClassification`` folder (``num_labels=1``), the
+format the Megatron critic reads and writes (``score.weight`` = the value head), on one process.
+
 Nothing is unpickled in full: ``.metadata`` (the one pickle DCP writes) and every non-tensor item of the shards
 pass :func:`hybridrl.mcore.checkpoint_safety.check_torch_dcp` before DCP reads them (:func:`check_role`).
 """
@@ -25,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from hybridrl.mcore.checkpoint_safety import CorruptCheckpointError, check_torch_dcp
+from hybridrl.mcore.checkpoint_safety import CorruptCheckpointError, check_torch_dcp, load_weights_only
 
 BACKEND = "fsdp"
 
@@ -91,3 +94,35 @@ def load_role(model: torch.nn.Module, optimizer: Any, path: str) -> None:
         return
     set_state_dict(model, optimizer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     optimizer.num_steps = _read_lr(path)["num_steps"]
+
+
+def export_role(role_dir: str, out_dir: str) -> None:
+    """Write the FSDP critic saved in ``role_dir`` as an HF ``*ForSequenceClassification`` folder ``out_dir``
+    (config.json + model.safetensors; the backbone under the class's base-model prefix, the head as
+    ``score.weight``). One process, no process group: DCP's shards are read whole (checked first)."""
+    import tempfile
+
+    import transformers
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as NAMES
+
+    check_role(role_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(os.path.join(role_dir, "state"), os.path.join(tmp, "full.pt"))
+        model = load_weights_only(os.path.join(tmp, "full.pt"))["model"]
+    if "head.weight" not in model or model["head.weight"].shape[0] != 1:
+        raise CorruptCheckpointError(f"{role_dir} holds no value head (head.weight of shape [1, h]): not a critic")
+    config = transformers.AutoConfig.from_pretrained(role_dir)
+    cls = NAMES.get(config.model_type)
+    if cls is None:
+        raise ValueError(f"transformers has no sequence-classification class for model_type {config.model_type!r}; "
+                         f"{role_dir} cannot be exported as an HF critic")  # fmt: skip
+    prefix = getattr(transformers, cls).base_model_prefix
+    tensors = {f"{prefix}.{k.removeprefix('backbone.')}": v for k, v in model.items() if k.startswith("backbone.")}
+    tensors["score.weight"] = model["head.weight"]
+    config.architectures, config.num_labels = [cls], 1
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    config.save_pretrained(out_dir)

@@ -9,7 +9,9 @@ over both, Megatron TP 1 x DP 2, so both split each batch alike.
   losses and grad norms too;
 - checkpoint: the FSDP critic saved by the CheckpointManager after the first update and resumed into a fresh
   group makes the same second update bit for bit; the same checkpoint loaded on ONE rank (DCP reshards model and
-  Adam moments) gives the 2-rank values and second update (<= 1e-5); a planted pickle in it is refused.
+  Adam moments) gives the 2-rank values and second update (<= 1e-5); a planted pickle in it is refused;
+- export: ``hybridrl export``'s function writes that critic as an HF ``*ForSequenceClassification`` folder whose
+  per-token scores (transformers' own class) equal the FSDP critic's values (<= 1e-5).
 """
 
 from __future__ import annotations
@@ -165,6 +167,21 @@ def test_fsdp_roles_match_megatron_and_hf(tmp_path):
     assert one["metrics2"]["critic/loss"] == pytest.approx(fsdp["metrics2"]["critic/loss"], rel=1e-5)
 
     _check_planted_pickle(os.path.join(ckpt, "global_step_1", "critic"), str(tmp_path / "planted"))
+    _check_export(os.path.join(ckpt, "global_step_1"), str(tmp_path / "hf_critic"), batch, fsdp["values1"], mask)
+
+
+def _check_export(step: str, out: str, batch: dict, values: torch.Tensor, mask: torch.Tensor) -> None:
+    import transformers
+
+    from hybridrl.trainer.main import export
+
+    export(step, out, role="critic")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             position_ids=batch["position_ids"]).last_hidden_state  # fmt: skip
+        scores = model.score(hidden).squeeze(-1)[:, PROMPT - 1 : PROMPT - 1 + values.shape[1]]
+    assert _max_diff(scores, values, mask) <= 1e-5
 
 
 class _Planted:
