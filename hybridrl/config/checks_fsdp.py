@@ -4,7 +4,8 @@ built (:func:`check_fsdp_roles`, one of :data:`hybridrl.config.checks.CHECKS`).
 What the backend cannot serve gets one line naming the key, the value and the fix:
 
 - a model that transformers has no causal-LM class for (the backend builds the HF model itself; Megatron's
-  bridge has its own list of families, checked elsewhere);
+  bridge has its own list of families, checked elsewhere), as far as its type is known before loading
+  (``model.architecture``, a local folder's config.json; a Hub name not downloaded yet is checked when read);
 - ``critic.optim.backend: megatron``: that path is Megatron's optimizer, which an FSDP critic does not have;
 - a critic mini-batch that does not split over every rank: an FSDP role is data-parallel over the whole world
   (each rank holds ``1 / world`` of the model and computes on ``1 / world`` of the batch), not over
@@ -30,10 +31,9 @@ def _check_model(role: str, fields: dict[str, Any], path: str | None) -> None:
     from hybridrl.config.checks import _fail
 
     model_type = fields.get("model_type")
+    if model_type is None:  # a Hub name not downloaded yet: known once the folder is read (transformers checks it)
+        return
     where = f"{path}'s config.json" if path else "model.architecture"
-    if model_type is None:
-        _fail(f"{role}.backend ({FSDP!r}) needs the model's type, and {where} names none (model_type); set "
-              f"model.architecture.model_type or {role}.backend=megatron", f"{role}.backend")  # fmt: skip
     if model_type not in _causal_lm_types():
         _fail(f"{role}.backend ({FSDP!r}) cannot serve model_type {model_type!r} ({where}): transformers has no causal "
               f"LM class for it; set {role}.backend=megatron", f"{role}.backend")  # fmt: skip

@@ -16,8 +16,9 @@ The output of response token ``t`` is read at the position that predicts it (``r
 of the prompt.
 
 Sharding: ``fully_shard`` on every decoder layer (the classes HF lists in ``_no_split_modules``) and on the
-root, over a 1-D mesh of all ranks; parameters stay fp32 (the optimizer's master copy) and compute in
-``model.dtype`` (FSDP's mixed precision, gradients reduced in fp32).
+root, over a 1-D mesh of all ranks. The critic's parameters stay fp32 (the optimizer's master copy) and compute
+in ``model.dtype`` (FSDP's mixed precision, gradients reduced in fp32); the frozen reference is stored in
+``model.dtype``.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def build_reference(path: str, dtype: torch.dtype = torch.float32) -> TokenModel
     """The frozen reference policy from the HF causal-LM folder ``path`` (eval mode, no gradients), sharded."""
     import transformers
 
-    causal = _from_pretrained(transformers.AutoModelForCausalLM, path)
+    causal = _from_pretrained(transformers.AutoModelForCausalLM, path).to(dtype)  # frozen: no fp32 master
     model = TokenModel(causal.base_model, causal.get_output_embeddings(), "log_prob")
     model.config = causal.config
     for p in model.parameters():

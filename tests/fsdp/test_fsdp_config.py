@@ -75,3 +75,23 @@ def test_fsdp_only_in_its_package():
     bad = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "hybridrl").rglob("*.py")) if home not in p.parents
            for n in _fsdp_imports(ast.parse(p.read_text()))]  # fmt: skip
     assert not bad, f"torch.distributed.fsdp used outside hybridrl/fsdp/: {bad}"
+
+
+def test_a_hub_model_not_downloaded_is_left_to_the_build():
+    """A packaged config's Hub name: its model_type is unknown before download, so no refusal here."""
+    cfg = load_config("ppo_llama2_7b.yaml", ["critic.backend=fsdp", "ref.backend=fsdp"])
+    assert cfg.critic.backend == "fsdp"
+
+
+def test_memory_estimate_shards_fsdp_roles_over_the_world():
+    from hybridrl.config.memory import GIB, architecture, estimate, per_rank_params
+
+    cfg = load_config("ppo_llama2_7b.yaml", ["critic.backend=fsdp", "ref.backend=fsdp"])
+    world, arch = 8, architecture(cfg)
+    parts = estimate(cfg, device_gib=80).parts
+    critic = -(-per_rank_params(arch, 1, 1, lm_head=False) // world)
+    assert parts["critic weights"].gib == pytest.approx(critic * 4 / GIB)  # fp32 master shards
+    assert parts["critic optimizer"].gib == pytest.approx(critic * 8 / GIB)
+    assert parts["reference weights"].gib == pytest.approx(-(-per_rank_params(arch, 1, 1) // world) * 2 / GIB)
+    megatron = estimate(load_config("ppo_llama2_7b.yaml"), device_gib=80).parts
+    assert megatron["critic optimizer"].gib > parts["critic optimizer"].gib
