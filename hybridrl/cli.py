@@ -127,8 +127,11 @@ def cmd_validate_config(argv: list[str]) -> int:
     if not args.quiet:
         print(to_yaml(cfg))
     print(f"# world size {world} = {cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node} process(es)")
-    roles = ["actor"] + [name for name in ("ref", "critic") if getattr(cfg, name).enable]
-    print(layout_report(layout, roles, cfg.rollout.backend))
+    enabled = [name for name in ("ref", "critic") if getattr(cfg, name).enable]
+    fsdp = [name for name in enabled if getattr(cfg, name).backend == "fsdp"]
+    print(layout_report(layout, ["actor"] + [name for name in enabled if name not in fsdp], cfg.rollout.backend))
+    if fsdp:
+        print(f"fsdp    {', '.join(fsdp)}: HF model sharded over all {world} ranks (one mesh, colocated)")
     from hybridrl.config.checks import update_schedule
     from hybridrl.config.memory import report
 

@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from hybridrl.config.checks_fsdp import check_fsdp_roles
 from hybridrl.config.checks_lora import check_lora
 from hybridrl.config.checks_model import check_against_checkpoint, check_architecture
 from hybridrl.config.checks_values import check_finite
@@ -44,6 +45,7 @@ from hybridrl.config.schema_roles import (
     POLICY_LOSS_NAMES,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
+    ROLE_BACKENDS,
     ROLLOUT_BACKENDS,
     TRAIN_BACKENDS,
     WEIGHT_SYNCS,
@@ -139,7 +141,7 @@ def _choices() -> Iterable[tuple[str, tuple]]:
     yield "actor.policy_loss.loss_mode", (*POLICY_LOSS_NAMES, CUSTOM_POLICY_LOSS)
     yield from (("data.truncation", TRUNCATIONS), ("trainer.resume_mode", RESUME_MODES))
     for role in ROLES:
-        yield f"{role}.backend", TRAIN_BACKENDS
+        yield f"{role}.backend", TRAIN_BACKENDS if role == "actor" else ROLE_BACKENDS
         yield f"{role}.megatron.recompute_granularity", (None, *RECOMPUTE_GRANULARITIES)
         yield f"{role}.megatron.recompute_method", (None, *RECOMPUTE_METHODS)
     for role in ("actor", "critic"):
@@ -489,6 +491,7 @@ CHECKS: tuple[Callable[[RunConfig, int], None], ...] = (
     check_algorithm_roles,
     check_architecture,
     check_lora,
+    check_fsdp_roles,
 )
 """Run in this order: single fields first, so later checks may rely on positive sizes."""
 

@@ -220,6 +220,12 @@ def estimate(cfg: Any, device_gib: float | None = None, layout: Any = None) -> E
     lora = cfg.actor.lora if cfg.actor.lora.enable else None
 
     def trainable(role: str, section: Any, shape: Arch, lm_head: bool) -> None:
+        if getattr(section, "backend", "megatron") == "fsdp":  # docs/fsdp.md: fp32 shards of all of it per rank
+            n, share = -(-per_rank_params(shape, 1, 1, lm_head) // layout.world_size), f"/ {layout.world_size} ranks"
+            parts[f"{role} weights"] = Part(n * 4 / GIB, f"fp32 master, FSDP {share}")
+            parts[f"{role} grads"] = Part(n * 4 / GIB, f"fp32, FSDP {share}")
+            parts[f"{role} optimizer"] = Part(n * 8 / GIB, f"8 B/param, FSDP {share}")
+            return
         n = per_rank_params(shape, layout.tp, layout.pp, lm_head)
         optim, why = optimizer_bytes(section.optim, section.megatron, cfg.model.dtype, on_gpu, layout.dp)
         when = "while vLLM generates" if role == "actor" else "outside its passes"
@@ -232,8 +238,10 @@ def estimate(cfg: Any, device_gib: float | None = None, layout: Any = None) -> E
         parts[f"{role} grads"] = Part(trained * 4 / GIB, "fp32", away=f"freed {when}" * state)
         parts[f"{role} optimizer"] = Part(trained * optim / GIB, why, away=f"host RAM {when}" * state)
 
-    def frozen(name: str, shape: Arch, lm_head: bool, offload: bool) -> None:
+    def frozen(name: str, shape: Arch, lm_head: bool, offload: bool, backend: str = "megatron") -> None:
         n = per_rank_params(shape, layout.tp, layout.pp, lm_head)
+        if backend == "fsdp":
+            n = -(-per_rank_params(shape, 1, 1, lm_head) // layout.world_size)
         away = "host RAM outside its forwards" if on_gpu and offload else ""
         parts[name] = Part(n * wbytes / GIB, away=away, away_in_training=bool(away))
 
@@ -241,7 +249,7 @@ def estimate(cfg: Any, device_gib: float | None = None, layout: Any = None) -> E
     if cfg.ref.enable and lora is not None:
         parts["reference weights"] = Part(0.0, "the actor with its LoRA adapters off (no copy)")
     elif cfg.ref.enable:
-        frozen("reference weights", arch, True, cfg.ref.param_offload)
+        frozen("reference weights", arch, True, cfg.ref.param_offload, cfg.ref.backend)
     if cfg.critic.enable:
         critic = architecture(cfg, cfg.critic.model_path) if cfg.critic.model_path else arch
         if critic is not None:

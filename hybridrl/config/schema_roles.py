@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TRAIN_BACKENDS = ("megatron",)
+ROLE_BACKENDS = ("megatron", "fsdp")
+"""Backends of the critic and the reference: Megatron-Core, or PyTorch FSDP2 over the HF model (docs/fsdp.md)."""
 ROLLOUT_BACKENDS = ("vllm",)
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -307,7 +309,8 @@ class RefConfig:
     """Frozen reference policy for the KL terms (same weights as the initial actor)."""
 
     backend: str = "megatron"
-    """Backend; only "megatron"."""
+    """"megatron" (Megatron-Core on the actor's groups) or "fsdp" (the HF model under PyTorch FSDP2, sharded over
+    every rank; docs/fsdp.md)."""
     enable: bool | None = None
     """None = auto: on when actor.use_kl_loss or algorithm.use_kl_in_reward."""
     megatron: MegatronOptionsConfig | None = None
@@ -324,7 +327,8 @@ class CriticConfig:
     """Value model for GAE (Megatron, value head on the LM trunk)."""
 
     backend: str = "megatron"
-    """Backend; only "megatron"."""
+    """"megatron" (Megatron-Core on the actor's groups) or "fsdp" (the HF model + a value head under PyTorch FSDP2,
+    weights, gradients and Adam moments sharded over every rank; docs/fsdp.md)."""
     enable: bool | None = None
     """None = auto: on when algorithm.adv_estimator needs values ("gae")."""
     model_path: str | None = None

@@ -45,6 +45,7 @@ _METADATA_GLOBALS = (
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),
         ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id of a FileSystemWriter save (a path, built inertly)
     }
 )
 
@@ -146,6 +147,17 @@ def check_dist_checkpoint(folder: str) -> None:
             raise _refusal(config_file, f"{key}={config.get(key)!r} (hybridrl writes and reads only {want!r})")
     if os.path.isfile(os.path.join(folder, "common.pt")):
         load_weights_only(os.path.join(folder, "common.pt"))
+    check_torch_dcp(folder)
+
+
+def check_torch_dcp(folder: str) -> None:
+    """Refuse a ``torch.distributed.checkpoint`` folder whose loading would unpickle anything but data: its
+    ``.metadata`` through the allow-list, every non-tensor item weights-only (the FSDP backend's folders, and the
+    shards under Megatron's ``torch_dist`` ones).
+
+    Raises:
+        UnsafeCheckpointError / CorruptCheckpointError: as :func:`check_dist_checkpoint`.
+    """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     metadata = _read_metadata(folder)

@@ -264,12 +264,19 @@ def export(checkpoint: str, out: str, role: str = "actor", tp: int = 1, pp: int 
     Collective, in an already launched process: any ``tp`` x ``pp`` whose product divides the world size
     (the model is rebuilt from the checkpoint's own config.json; no run config is needed).
     """
+    role_dir = os.path.join(checkpoint, role)
+    if os.path.isdir(os.path.join(role_dir, "state")):  # an FSDP critic (hybridrl.fsdp.checkpoint): one process
+        from hybridrl.fsdp.checkpoint import export_role
+
+        if detect_env().rank == 0:
+            export_role(role_dir, out)
+            print(f"[hybridrl] exported {role} of {checkpoint} to {out}", flush=True)
+        return
     penv = init_distributed()
     init_model_parallel(ParallelLayout.from_world(penv.world_size, tp=tp, pp=pp), seed=0)
     from hybridrl.mcore import lora_peft
     from hybridrl.mcore.checkpoint import build_from_checkpoint
 
-    role_dir = os.path.join(checkpoint, role)
     if not os.path.isdir(os.path.join(role_dir, "model")):
         from hybridrl.trainer.checkpoint import newest_checkpoint
 

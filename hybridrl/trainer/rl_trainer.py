@@ -38,7 +38,12 @@ from hybridrl.rewards import last_token_rewards
 from hybridrl.trainer.checkpoint import CheckpointManager
 from hybridrl.trainer.tracking import StageTimer, Tracker
 from hybridrl.workers import ClassWithInitArgs, ResourcePool, WorkerGroup
+from hybridrl.workers.fsdp_workers import FSDPCriticWorker, FSDPReferenceWorker
 from hybridrl.workers.megatron_workers import ActorRolloutWorker, CriticWorker, ReferenceWorker, RewardModelWorker
+
+WORKERS = {"megatron": {"ref": ReferenceWorker, "critic": CriticWorker},
+           "fsdp": {"ref": FSDPReferenceWorker, "critic": FSDPCriticWorker}}  # fmt: skip
+"""The worker class of each role by its ``backend`` (the same methods, dispatch modes and arguments)."""
 
 
 class TrainingStoppedError(InputError):
@@ -67,10 +72,12 @@ def role_workers(
     share = cfg.actor.share_prompt_prefix
     out = {"actor": ClassWithInitArgs(ActorRolloutWorker, *actor)}
     if cfg.ref.enable and not cfg.actor.lora.enable:  # with LoRA the actor, adapters off, is the reference
-        out["ref"] = ClassWithInitArgs(ReferenceWorker, cfg.ref, model_path, dtype, cfg.rollout.temperature, share)
+        ref = WORKERS[cfg.ref.backend]["ref"]
+        out["ref"] = ClassWithInitArgs(ref, cfg.ref, model_path, dtype, cfg.rollout.temperature, share)
     if cfg.critic.enable:
+        critic = WORKERS[cfg.critic.backend]["critic"]
         out["critic"] = ClassWithInitArgs(
-            CriticWorker, cfg.critic, cfg.critic.model_path or model_path, dtype, optimizer_steps(cfg, "critic"),
+            critic, cfg.critic, cfg.critic.model_path or model_path, dtype, optimizer_steps(cfg, "critic"),
             cfg.rollout.n, cfg.actor.shuffle, share,
         )  # fmt: skip
     if cfg.reward.model.enable:

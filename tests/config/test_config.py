@@ -444,6 +444,9 @@ CASES = [
      "takes longer inputs, set model.architecture.max_position_embeddings)"),
     (TINY, ["actor.lora.enable=true", "actor.lora.rank=0"], "actor.lora.rank (0) must be >= 1; set e.g. "
      "actor.lora.rank=8"),
+    # what the FSDP backend cannot serve (hybridrl/config/checks_fsdp.py; its other rules: tests/fsdp)
+    (TINY, ["critic.backend=fsdp", "critic.optim.backend=megatron"], "critic.optim.backend ('megatron') is "
+     "Megatron's optimizer, and critic.backend is 'fsdp' (AdamW on the FSDP shards); set critic.optim.backend=auto"),
 ]  # fmt: skip
 
 
