@@ -33,6 +33,7 @@ from hybridrl.distributed.layout import ParallelLayout
 from hybridrl.hybrid_engine import need_plan
 from hybridrl.hybrid_engine.buckets import BucketMover, NeedMover
 from hybridrl.hybrid_engine.planner import TRANSPORTS, ReshardPlan
+from hybridrl.hybrid_engine.probe import SwitchProbe
 from hybridrl.hybrid_engine.vllm_layout import PlanError
 from hybridrl.mcore.reshard_source import TrainingSource, training_source
 from hybridrl.ops import block_copy, block_scatter
@@ -140,6 +141,7 @@ class HybridEngine:
         self._scatter: _ScatterPlan | None = None
         self._dests = {d.name: d for d in self.plan.dests[self.rollout_rank]}
         self.stats = SwitchStats()
+        self._probe: SwitchProbe | None = None  # built on the first check()
 
     @classmethod
     def from_role(cls, role: Any, layout: ParallelLayout, **kwargs: Any) -> HybridEngine:
@@ -275,6 +277,18 @@ class HybridEngine:
             self._scatter = _ScatterPlan.build(self.rank_plan, self.plan.dests[self.rollout_rank], key, set(into))
             self.buffer = None
         return self._scatter
+
+    def check(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """Probe this rank's rollout ``tensors`` (what :meth:`to_rollout` gave, or vLLM's parameters holding it)
+        against the actor's shards (collective over the world; :class:`~hybridrl.hybrid_engine.probe.SwitchProbe`).
+
+        Returns:
+            ``{"probe_s", "probe_samples"}``; raises :class:`~hybridrl.hybrid_engine.probe.ProbeError` (one line,
+            naming the tensor) on every rank when an element differs.
+        """
+        if self._probe is None:
+            self._probe = SwitchProbe(self.plan, self.rank, self.plan.pad_vocab, self.src.fused_norms, self.dtype)
+        return self._probe.run(tensors, self.src.params)
 
     def release(self) -> None:
         """Free the destination buffer (back to training); the next :meth:`to_rollout` reallocates it."""

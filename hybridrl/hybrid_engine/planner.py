@@ -235,7 +235,7 @@ class ReshardPlan:
         pad_vocab = rollout_tp > 1 if pad_vocab is None else pad_vocab
         check_rollout_tp(shape, rollout_tp, pad_vocab)
         _check_training(shape, layout)
-        self.shape, self.layout, self.rollout_tp = shape, layout, rollout_tp
+        self.shape, self.layout, self.rollout_tp, self.pad_vocab = shape, layout, rollout_tp, pad_vocab
         self.bucket_bytes, self.element_size, self.share, self.slots = bucket_bytes, element_size, share, slots
         self.sources, homes = self._sources(fused_norms)
         maps = rollout_maps(shape, rollout_tp, family, pad_vocab)
