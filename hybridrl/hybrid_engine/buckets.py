@@ -146,6 +146,7 @@ class NeedMover:
         self.buckets, self.need, self.params, self.stage, self.group = buckets, need, params, stage, group
         self.on_collective = on_collective or (lambda sent, received: None)
         moves = any(need.collective)
+        slots = max(1, min(slots, len(buckets)))  # one bucket: nothing to overlap with
         self.combined = [
             torch.empty(need.local_numel + (need.recv_numel if moves else 0), dtype=dtype, device=device)
             for _ in range(slots)

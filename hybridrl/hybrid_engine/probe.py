@@ -139,9 +139,11 @@ class SwitchProbe:
         for j in range(plan.rollout_tp):
             for d in plan.dests[j]:
                 self._sample(j, d, fill, check if j == plan.layout.rollout_coords(rank).tp else None)
-        as_t = lambda v: tuple(torch.tensor(x, dtype=torch.int64) for x in v)  # noqa: E731
-        self.fill = {n: as_t(v) for n, v in fill.items()}
-        self.check = {n: as_t(v) for n, v in check.items()}
+        # one index_select per tensor, then ONE scatter / compare over all samples
+        self.fill = [(n, torch.tensor(el, dtype=torch.int64)) for n, (_, el) in fill.items()]
+        self.fill_idx = torch.tensor([i for idx, _ in fill.values() for i in idx], dtype=torch.int64)
+        self.check = [(n, torch.tensor(el, dtype=torch.int64)) for n, (_, el) in check.items()]
+        self.check_idx = torch.tensor([i for idx, _ in check.values() for i in idx], dtype=torch.int64)
         self.samples = len(self.where)
 
     def _sample(self, j: int, d, fill: dict, check: dict | None) -> None:
@@ -181,22 +183,21 @@ class SwitchProbe:
         t0 = time.perf_counter()
         device = next(iter(params.values())).device
         expected = torch.zeros(self.samples, dtype=torch.float64, device=device)
-        for name, (idx, el) in self.fill.items():
-            expected[idx.to(device)] = params[name].reshape(-1)[el.to(device)].to(self.dtype).double()
+        if self.fill:
+            values = torch.cat([params[n].reshape(-1)[el.to(device)].to(self.dtype) for n, el in self.fill])
+            expected[self.fill_idx.to(device)] = values.double()
         dist.all_reduce(expected)
-        first = self.samples
-        got_at: dict[int, float] = {}
-        for name, (idx, el) in self.check.items():
-            got = tensors[name].reshape(-1)[el.to(device)].double()
-            bad = (got != expected[idx.to(device)]).cpu()
-            if bool(bad.any()):
-                k = int(bad.nonzero()[0])
-                first = min(first, int(idx[k]))
-                got_at[int(idx[k])] = float(got[k])
+        first, got = self.samples, None
+        if self.check:
+            held = torch.cat([tensors[n].reshape(-1)[el.to(device)] for n, el in self.check]).double()
+            bad = (held != expected[self.check_idx.to(device)]).nonzero().flatten().cpu()
+            if len(bad):
+                k = int(bad[self.check_idx[bad].argmin()])
+                first, got = int(self.check_idx[k]), float(held[k])
         flag = torch.tensor([first], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if int(flag) < self.samples:
-            raise ProbeError(self._message(int(flag), float(expected[int(flag)]), got_at.get(int(flag))))
+            raise ProbeError(self._message(int(flag), float(expected[int(flag)]), got if first == int(flag) else None))
         return {"probe_s": time.perf_counter() - t0, "probe_samples": float(self.samples)}
 
     def _message(self, i: int, want: float, got: float | None) -> str:
