@@ -149,8 +149,9 @@ def test_llama70b_need_plans_by_arithmetic(tp, pp, tp_i, rank):
     received = sum(sum(s) for s in npl.recv_splits)
     assert received == npl.needed_numel
     assert len(npl.members) == tp * pp and npl.members[npl.me] == rank
-    if pp == 1 and tp == tp_i:
-        assert received == 0 and not any(npl.collective)
+    if pp == 1 and tp == tp_i:  # only the vocab rows between Megatron's (pad 1024) and vLLM's (pad 64) boundaries
+        vocab = 2 * (shape.vocab_size // tp) * shape.hidden_size  # embedding + lm_head shards
+        assert 0 < received < 0.05 * vocab, received
     else:
         c = layout.coords(rank)
         rp = plan.for_rank(c.pp, c.tp, layout.rollout_coords(rank).tp)
