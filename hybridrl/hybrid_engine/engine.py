@@ -1,8 +1,11 @@
 """The 3D-HybridEngine switch: Megatron training shards -> this rank's vLLM weights, bucket by bucket.
 
 Owns the execution of a :class:`~hybridrl.hybrid_engine.planner.ReshardPlan` on the live process groups:
-buckets move with one PP broadcast and one TP all_gather each (:mod:`~hybridrl.hybrid_engine.buckets`),
-then ONE kernel call per bucket writes every needed block straight to its destination: a preallocated flat
+each rank receives only the blocks it needs and does not hold, with one all-to-all per bucket over the
+model-parallel group and none where every rank regroups locally (``transport="need"``,
+:mod:`~hybridrl.hybrid_engine.need_plan`); ``transport="gather"`` moves every TP shard to every rank instead (one
+PP broadcast and one TP all_gather per bucket, :mod:`~hybridrl.hybrid_engine.buckets`). Then ONE kernel call per
+bucket writes every needed block straight to its destination: a preallocated flat
 buffer (views per vLLM tensor, ``hybridrl.ops.block_copy``), or, given ``into=`` (vLLM's own parameters),
 those tensors themselves (``hybridrl.ops.block_scatter``: no staging buffer at all). Tensors whose layouts
 agree are views of the training parameters (no copy, no buffer). Collective: every rank of the world calls
@@ -17,6 +20,7 @@ agree are views of the training parameters (no copy, no buffer). Collective: eve
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -26,8 +30,10 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.distributed.layout import ParallelLayout
-from hybridrl.hybrid_engine.buckets import BucketMover
-from hybridrl.hybrid_engine.planner import ReshardPlan
+from hybridrl.hybrid_engine import need_plan
+from hybridrl.hybrid_engine.buckets import BucketMover, NeedMover
+from hybridrl.hybrid_engine.planner import TRANSPORTS, ReshardPlan
+from hybridrl.hybrid_engine.probe import SwitchProbe
 from hybridrl.hybrid_engine.vllm_layout import PlanError
 from hybridrl.mcore.reshard_source import TrainingSource, training_source
 from hybridrl.ops import block_copy, block_scatter
@@ -39,9 +45,17 @@ class SwitchStats:
 
     buckets: int = 0
     collectives: int = 0
-    """Broadcasts + all_gathers issued (at most 2 per bucket)."""
+    """Collectives issued: all-to-alls (need transport, at most 1 per bucket) or broadcasts + all_gathers
+    (gather transport, at most 2 per bucket)."""
     bytes_moved: int = 0
-    """Bytes the collectives brought into this rank's bucket buffers."""
+    """Bytes the collectives brought into this rank's bucket buffers (= ``bytes_received``)."""
+    bytes_sent: int = 0
+    """Bytes this rank sent to other ranks."""
+    bytes_received: int = 0
+    """Bytes this rank received from other ranks."""
+    bytes_needed: int = 0
+    """Bytes of this rank's copied rollout tensors that come from shards it does not hold (the least any
+    transport must receive; the need transport receives exactly this)."""
     bytes_copied: int = 0
     """Bytes written into the destination buffer by block_copy."""
     bytes_shared: int = 0
@@ -73,7 +87,9 @@ class HybridEngine:
         family: HF ``model_type`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``).
         dtype: rollout dtype; None = the parameters'. Another dtype casts while packing and disables sharing.
         pad_vocab: vLLM-padded vocab rows; None = only at ``layout.rollout_tp > 1`` (TP 1 gives HF's ``[vocab, h]``).
-        overlap: double-buffer buckets (all_gather of bucket k+1 while copying bucket k).
+        overlap: double-buffer buckets (the collective of bucket k+1 while copying bucket k).
+        transport: ``"need"`` (each rank receives only what it needs and does not hold) or ``"gather"`` (every
+            TP shard to every rank; the older path, kept as a baseline).
     """
 
     def __init__(
@@ -86,8 +102,11 @@ class HybridEngine:
         dtype: torch.dtype | None = None,
         pad_vocab: bool | None = None,
         overlap: bool = True,
+        transport: str = "need",
     ) -> None:
         src = training_source(chunks, layout)
+        if transport not in TRANSPORTS:
+            raise PlanError(f"hybrid_engine transport ({transport!r}) must be one of {list(TRANSPORTS)}")
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise PlanError(f"hybrid_engine.bucket_bytes ({bucket_bytes!r}) must be a positive integer")
         dtypes = {p.dtype for p in src.params.values()}
@@ -104,15 +123,25 @@ class HybridEngine:
             pad_vocab=pad_vocab,
             share=dtypes == {self.dtype},
             slots=2 if overlap else 1,
+            transport=transport,
         )
         self._check_params()
         self.rank_plan = self.plan.for_rank(src.pp_rank, src.tp_rank, layout.rollout_coords(self.rank).tp)
+        self.need = need_plan.for_rank(self.plan, self.rank, src.mp_ranks) if transport == "need" else None
+        self.needed_numel = (
+            self.need.needed_numel
+            if self.need is not None
+            else need_plan.needed_numel(self.plan, src.pp_rank, src.tp_rank, self.rollout_rank)
+        )
+        if self.need is not None:  # the same destinations, read from [local bucket | received blocks]
+            self.rank_plan = dataclasses.replace(self.rank_plan, copies=self.need.copies)
         self.device = next(iter(src.params.values())).device
         self.copies = self.rank_plan.copies  # host tensors: the kernels read plans on the host
         self.buffer: torch.Tensor | None = None
         self._scatter: _ScatterPlan | None = None
         self._dests = {d.name: d for d in self.plan.dests[self.rollout_rank]}
         self.stats = SwitchStats()
+        self._probe: SwitchProbe | None = None  # built on the first check()
 
     @classmethod
     def from_role(cls, role: Any, layout: ParallelLayout, **kwargs: Any) -> HybridEngine:
@@ -166,24 +195,7 @@ class HybridEngine:
             numel = scatter.buffer_numel if scatter is not None else rp.dest_numel
             self.buffer = torch.zeros(numel, dtype=self.dtype, device=self.device)  # vocab padding stays 0
 
-        def count(nbytes: int) -> None:
-            stats.collectives += 1
-            stats.bytes_moved += nbytes
-
-        mover = BucketMover(
-            self.plan.buckets,
-            params,
-            self.src.pp_rank,
-            self.src.layout.tp,
-            self.src.tp_rank,
-            self.src.tp_group,
-            self.src.pp_group,
-            self.src.pp_ranks,
-            self.dtype,
-            self.device,
-            slots=2 if self.overlap else 1,
-            on_collective=count,
-        )
+        mover = self._mover(params, stats)
         n = len(self.plan.buckets)
         pending = mover.start(0) if n else None
         for k in range(n):
@@ -200,6 +212,8 @@ class HybridEngine:
         out = self._views(scatter, params)
         es = self.buffer.element_size()
         stats.bytes_copied = rp.copied_numel * es
+        stats.bytes_needed = self.needed_numel * es
+        stats.bytes_moved = stats.bytes_received
         if scatter is not None:
             with torch.no_grad():
                 for name, (a, b) in scatter.gaps:  # vocab padding rows: vLLM's memory may hold anything
@@ -215,6 +229,20 @@ class HybridEngine:
         stats.seconds = time.perf_counter() - start
         self.stats = stats
         return out
+
+    def _mover(self, params: Mapping[str, torch.Tensor], stats: SwitchStats) -> NeedMover | BucketMover:
+        def count(sent: int, received: int) -> None:
+            stats.collectives += 1
+            stats.bytes_sent += sent
+            stats.bytes_received += received
+
+        slots, src = 2 if self.overlap else 1, self.src
+        if self.need is not None:
+            return NeedMover(self.plan.buckets, self.need, params, src.pp_rank, src.mp_group, self.dtype, self.device,
+                             slots=slots, on_collective=count)  # fmt: skip
+        groups = (src.tp_rank, src.tp_group, src.pp_group, src.pp_ranks)
+        return BucketMover(self.plan.buckets, params, src.pp_rank, src.layout.tp, *groups, self.dtype, self.device,
+                           slots=slots, on_collective=count)  # fmt: skip
 
     def _views(self, scatter: _ScatterPlan | None, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
@@ -249,6 +277,18 @@ class HybridEngine:
             self._scatter = _ScatterPlan.build(self.rank_plan, self.plan.dests[self.rollout_rank], key, set(into))
             self.buffer = None
         return self._scatter
+
+    def check(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """Probe this rank's rollout ``tensors`` (what :meth:`to_rollout` gave, or vLLM's parameters holding it)
+        against the actor's shards (collective over the world; :class:`~hybridrl.hybrid_engine.probe.SwitchProbe`).
+
+        Returns:
+            ``{"probe_s", "probe_samples"}``; raises :class:`~hybridrl.hybrid_engine.probe.ProbeError` (one line,
+            naming the tensor) on every rank when an element differs.
+        """
+        if self._probe is None:
+            self._probe = SwitchProbe(self.plan, self.rank, self.plan.pad_vocab, self.src.fused_norms, self.dtype)
+        return self._probe.run(tensors, self.src.params)
 
     def release(self) -> None:
         """Free the destination buffer (back to training); the next :meth:`to_rollout` reallocates it."""

@@ -161,9 +161,12 @@ def segment_blocks(seg: Segment, src_shape: tuple, dst_shape: tuple, src_base: i
     )
 
 
-def clip_blocks(blocks: torch.Tensor, start: int, stop: int, base: int) -> torch.Tensor:
+def clip_blocks(blocks: torch.Tensor, start: int, stop: int, base: int, numel: int | None = None) -> torch.Tensor:
     """The parts of ``blocks`` (source offsets relative to the shard) inside shard elements ``[start, stop)``,
-    with source offsets moved to ``base`` + position in that range (a chunk of the shard in a bucket)."""
+    with source offsets moved to ``base`` + position in that range (a chunk of the shard in a bucket).
+    ``numel``: the shard's size, for the fast path of a chunk that is the whole shard."""
+    if start == 0 and stop == numel:
+        return blocks + torch.tensor([base, 0, 0], dtype=blocks.dtype)
     src, dst, n = blocks.unbind(1)
     lo, hi = src.clamp(min=start), (src + n).clamp(max=stop)
     keep = lo < hi
@@ -205,6 +208,10 @@ class ReshardPlan:
         pad_vocab: pad the vocab like vLLM's parameters; None = only at ``rollout_tp > 1``.
         share: hand out views of training tensors where the layouts agree (False: copy everything, e.g.
             when the rollout dtype differs from the training dtype).
+        transport: what the buckets are sized for: ``"gather"`` (every TP shard to every rank: ``tp`` local
+            buckets per slot) or ``"need"`` (:mod:`~hybridrl.hybrid_engine.need_plan`: per slot the local bucket,
+            a receive region of one bucket per holder a rank receives from and a send buffer of one per peer it
+            sends to, see :meth:`fan`; only the local bucket when no rank receives anything).
     """
 
     def __init__(
@@ -218,13 +225,17 @@ class ReshardPlan:
         pad_vocab: bool | None = None,
         share: bool = True,
         slots: int = 1,
+        transport: str = "gather",
     ) -> None:
         check_family(family)
+        if transport not in TRANSPORTS:
+            raise PlanError(f"transport ({transport!r}) must be one of {list(TRANSPORTS)}")
+        self.transport = transport
         rollout_tp = layout.rollout_tp
         pad_vocab = rollout_tp > 1 if pad_vocab is None else pad_vocab
         check_rollout_tp(shape, rollout_tp, pad_vocab)
         _check_training(shape, layout)
-        self.shape, self.layout, self.rollout_tp = shape, layout, rollout_tp
+        self.shape, self.layout, self.rollout_tp, self.pad_vocab = shape, layout, rollout_tp, pad_vocab
         self.bucket_bytes, self.element_size, self.share, self.slots = bucket_bytes, element_size, share, slots
         self.sources, homes = self._sources(fused_norms)
         maps = rollout_maps(shape, rollout_tp, family, pad_vocab)
@@ -312,8 +323,53 @@ class ReshardPlan:
                     needed.update(s.src for s in d.segments)
         return needed
 
+    def fan(self) -> tuple[int, int]:
+        """(most holders one rank receives a stage's rows from, most peers one rank sends to) over the
+        model-parallel groups: (0, 0) when every rank regroups locally (equal TP at PP 1, training TP 1 at PP 1).
+        A rank receives from the holder at (the shard's stage, its TP rank), for replicated tensors at that stage
+        with the receiver's own TP rank (see :mod:`~hybridrl.hybrid_engine.need_plan`)."""
+        lay, fan_in, fan_out = self.layout, 0, 0
+        seen: dict[tuple[int, int, int], set] = {}  # role -> holders it receives from
+        for group in lay.groups("mp"):
+            senders: dict[tuple[int, int], int] = {}
+            for rank in group:
+                c = lay.coords(rank)
+                role = (c.pp, c.tp, lay.rollout_coords(rank).tp)
+                if role not in seen:
+                    seen[role] = self._holders(*role)
+                holders = seen[role]
+                for stage in {h[0] for h in holders}:
+                    fan_in = max(fan_in, sum(h[0] == stage for h in holders))
+                for h in holders:
+                    senders[h] = senders.get(h, 0) + 1
+            fan_out = max(fan_out, *senders.values(), 0)
+        return fan_in, fan_out
+
+    def _holders(self, stage: int, tp_rank: int, j: int) -> set[tuple[int, int]]:
+        out = set()
+        for d in self.dests[j]:
+            if self.is_shared(d, stage, tp_rank):
+                continue
+            for seg in d.segments:
+                src = self.sources[seg.src]
+                holder = (src.stage, tp_rank if src.replicated else seg.tp)
+                if holder != (stage, tp_rank):
+                    out.add(holder)
+        return out
+
+    def receives(self) -> bool:
+        """Some rank's rollout tensors take rows from a shard it does not hold (another stage or TP rank)."""
+        return self.fan() != (0, 0)
+
+    def _held(self) -> int:
+        """Local buckets' worth of memory the transport holds at once."""
+        if self.transport == "gather":
+            return self.layout.tp * self.slots
+        fan_in, fan_out = self.fan()  # per slot: the local bucket, a receive region, a send buffer
+        return self.slots * (1 + fan_in + fan_out)
+
     def _buckets(self) -> list[Bucket]:
-        held = self.layout.tp * self.slots  # local buckets the transport memory holds at once
+        held = self._held()  # local buckets the transport memory holds at once
         capacity = self.bucket_bytes // (self.element_size * held)
         if capacity < 1:
             raise PlanError(
@@ -360,7 +416,7 @@ class ReshardPlan:
                 src_blocks = segment_blocks(seg, self.sources[seg.src].shape, d.shape, 0, used)
                 for k, offset, start, stop in self.chunks[seg.src]:
                     base = seg.tp * self.buckets[k].numel + offset
-                    blocks[k].append(clip_blocks(src_blocks, start, stop, base))
+                    blocks[k].append(clip_blocks(src_blocks, start, stop, base, self.sources[seg.src].numel))
             used += d.numel
         empty = torch.empty(0, 3, dtype=torch.int64)
         copies = [(coalesce if merge else _same)(torch.cat(bl)) if bl else empty for bl in blocks]
@@ -378,6 +434,9 @@ class ReshardPlan:
             f"{self.layout.describe()} -> {self.layout.describe_rollout()}: {len(self.sources)} shards "
             f"({len(self.needed)} move), {len(self.buckets)} buckets, {moved / 2**20:.1f} MiB per TP rank"
         )
+
+
+TRANSPORTS = ("need", "gather")
 
 
 def _same(blocks: torch.Tensor) -> torch.Tensor:

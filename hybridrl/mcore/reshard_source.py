@@ -35,6 +35,10 @@ class TrainingSource:
     """Global rank of each pipeline stage in this rank's pipeline group (index = stage)."""
     fused_norms: bool
     """TransformerEngine's spec: norm weights live in ``linear_qkv`` / ``linear_fc1``."""
+    mp_group: Any = None
+    """The model-parallel (TP x PP) group: the ranks that together hold one copy of the model."""
+    mp_ranks: list[int] = field(default_factory=list)
+    """Global rank of each member of ``mp_group``, in group-rank order."""
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
@@ -47,6 +51,7 @@ def training_source(chunks: list[torch.nn.Module], layout: ParallelLayout) -> Tr
     """This rank's parameters and groups on the current Megatron parallel state, which must be ``layout``'s."""
     params = dict(global_parameters(chunks))
     pp_group = mpu.get_pipeline_model_parallel_group()
+    mp_group = mpu.get_model_parallel_group()
     live = {
         "world_size": dist.get_world_size(),
         "tp": mpu.get_tensor_model_parallel_world_size(),
@@ -70,4 +75,6 @@ def training_source(chunks: list[torch.nn.Module], layout: ParallelLayout) -> Tr
         pp_group=pp_group,
         pp_ranks=[dist.get_global_rank(pp_group, s) for s in range(layout.pp)],
         fused_norms=any(n.endswith("linear_qkv.layer_norm_weight") for n in params),
+        mp_group=mp_group,
+        mp_ranks=dist.get_process_group_ranks(mp_group),
     )

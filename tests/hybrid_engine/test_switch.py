@@ -166,7 +166,26 @@ def _body(rank: int, world: int, path: str) -> dict:
         out["twice"] = str(e)
     hf.to_training()
     out["responses"] = list(gen.batch["responses"].shape)
+    out["planted"] = _planted_switch(w, cfg, layout)
     return out
+
+
+def _planted_switch(w, cfg, layout) -> str:
+    """A q/k/v layout bug planted in the planner (vLLM's k and v rows swapped): the first push must stop."""
+    from hybridrl.hybrid_engine import RolloutSwitch, vllm_layout
+    from hybridrl.hybrid_engine.probe import ProbeError
+
+    real = vllm_layout._qkv_pieces
+    vllm_layout._qkv_pieces = lambda *args: (lambda q, k, v: (q, v, k))(*real(*args))
+    try:
+        switch = RolloutSwitch.build(w.model, w.optimizer, w.rollout, cfg.rollout, layout, torch.float32)
+    finally:
+        vllm_layout._qkv_pieces = real
+    try:
+        switch.to_rollout(w.version + 1)  # a version the engine does not hold: it pushes
+        return "not caught"
+    except ProbeError as e:
+        return str(e)
 
 
 @pytest.fixture(scope="module")
@@ -210,5 +229,13 @@ def test_switch_metrics_keep_their_names_and_are_rank_0s(ranks):
     assert {"timing_s/switch", "reshard/collectives", "reshard/bytes_moved", "rollout/push_s", "rollout/bytes",
             "rollout/bytes_in_place"} <= set(metrics), sorted(metrics)  # fmt: skip
     assert metrics["reshard/collectives"] > 0  # TP 2 -> rollout TP 1: shards travelled
+    assert metrics["reshard/probe_samples"] > 0 and metrics["reshard/bytes_received"] <= metrics["reshard/bytes_needed"]
     assert ranks[1]["updated"]["metrics"] == metrics  # ONE_TO_ALL: every rank gets rank 0's
     assert "rollout/bytes_aliased" not in ranks[0]["hf"]["metrics"] and "rollout/push_s" in ranks[0]["hf"]["metrics"]
+
+
+@pytest.mark.multirank
+def test_a_planted_qkv_bug_stops_the_first_push(ranks):
+    for rank, r in enumerate(ranks):
+        assert r["planted"].startswith("reshard probe: model.layers.0.self_attn.qkv_proj.weight["), (rank, r["planted"])
+        assert "rollout.sync_probe=false" in r["planted"] and "\n" not in r["planted"]
