@@ -34,15 +34,23 @@ DEFAULT_CONFIG = "tiny_cpu.yaml"
 """The run a bare :class:`RayResourcePool` serves (no ``config=``): the demo task, so the founding snippet runs."""
 
 
-def driver_world() -> None:
-    """A one-process gloo world for the driver's own collective helpers (not the hosts' world)."""
+def driver_world() -> bool:
+    """A one-process gloo world for the driver's own collective helpers (not the hosts' world); True when this call
+    made it."""
     import torch.distributed as dist
 
     from hybridrl.distributed.spawn import free_port
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=600))  # fmt: skip
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=600))  # fmt: skip
+    return True
+
+
+def _absolute(path: str | None) -> str | None:
+    """A local folder as an absolute path (the actors' working folder may differ from the driver's)."""
+    return os.path.abspath(path) if path is not None and os.path.isdir(path) else path
 
 
 @dataclass
@@ -53,6 +61,7 @@ class RayRun:
     layout: ParallelLayout
     model_path: str
     tokenizer: Any
+    owns_world: bool = False  # the driver's one-process world was made for this run (closed with it)
 
     @property
     def timeout_s(self) -> float:
@@ -70,16 +79,28 @@ class RayRun:
         from hybridrl.trainer.main import _data, resolve_total_steps
         from hybridrl.trainer.preflight import check_model_folders, check_resume
 
-        driver_world()
+        owns_world = driver_world()
         world = sum(cfg.resources.process_on_nodes or [cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes)
         layout = run_layout(cfg, world)
+        cfg.trainer.default_local_dir = os.path.abspath(cfg.trainer.default_local_dir)
         model_path, tokenizer, train_files, val_files = _data(cfg)
+        model_path = _absolute(model_path)
+        cfg.model.path, cfg.critic.model_path = _absolute(cfg.model.path), _absolute(cfg.critic.model_path)
+        cfg.reward.model.path = _absolute(cfg.reward.model.path)
         check_model_folders(cfg, model_path, tokenizer)
         check_resume(cfg, model_path)
         train_ds = RLHFDataset(train_files, tokenizer, cfg.data)
         val_ds = RLHFDataset(val_files, tokenizer, cfg.data) if val_files else None
         resolve_total_steps(cfg, len(train_ds))
-        return cls(cfg, layout, model_path, tokenizer), train_ds, val_ds
+        return cls(cfg, layout, model_path, tokenizer, owns_world), train_ds, val_ds
+
+    def close(self) -> None:
+        """Close the driver's one-process world if this run made it."""
+        import torch.distributed as dist
+
+        if self.owns_world and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_world = False
 
     @classmethod
     def for_pool(cls, pool: Any) -> RayRun:

@@ -218,7 +218,7 @@ class RayWorkerGroup:
         ray = import_ray()
         from ray.exceptions import RayActorError, RayTaskError
 
-        from hybridrl.errors import is_peer_failure
+        from hybridrl.errors import _PEER_PATTERNS, is_peer_failure
 
         rank_of = {f: r for r, f in enumerate(futures)}
         pending = list(futures)
@@ -226,24 +226,40 @@ class RayWorkerGroup:
             ready, pending = ray.wait(pending, num_returns=1)
             try:
                 ray.get(ready[0])
-            except RayActorError as err:
-                where = self.pool.describe(rank_of[ready[0]])
-                raise WorkerDiedError(
-                    f"the {self.name} worker's host {where} died during {method} ({type(err).__name__}); its node's "
-                    "Ray logs (/tmp/ray/session_latest/logs) say why; the run stopped"
-                ) from None
+            except RayActorError:
+                self._raise_dead(ready, rank_of, method, wait_s=0)
             except RayTaskError as err:
                 cause = err.as_instanceof_cause()
                 if isinstance(cause, InputError):
                     raise cause from None
                 text = str(getattr(err, "cause", err))
-                if is_peer_failure(getattr(err, "cause", err)) or "Connection closed" in text or "Timed out" in text:
+                if is_peer_failure(getattr(err, "cause", err)) or _PEER_PATTERNS.search(text):
+                    self._raise_dead(pending, rank_of, method)  # the peer that died, when Ray knows it
                     where = self.pool.describe(rank_of[ready[0]])
                     first = text.strip().splitlines()[0] if text.strip() else ""
                     raise WorkerDiedError(f"the {self.name} worker on {where} lost a peer during {method}: "
                                           f"{first[:300]}; the run stopped") from None  # fmt: skip
                 raise
         return ray.get(futures)
+
+    def _raise_dead(self, pending: list[Any], rank_of: dict[Any, int], method: str, wait_s: float = 5.0) -> None:
+        """Raise :class:`WorkerDiedError` for a host among ``pending`` that died (waiting ``wait_s`` for Ray to
+        notice); return if none did."""
+        ray = import_ray()
+        from ray.exceptions import RayActorError
+
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=wait_s) if pending else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError as err:
+                raise WorkerDiedError(
+                    f"the {self.name} worker's host {self.pool.describe(rank_of[ref])} died during {method} "
+                    f"({type(err).__name__}); its node's Ray logs (/tmp/ray/session_latest/logs) say why; the run "
+                    "stopped"
+                ) from None
+            except Exception:  # another peer's own failure: the dead one is what to name
+                continue
 
 
 class MegatronRayWorkerGroup(RayWorkerGroup):

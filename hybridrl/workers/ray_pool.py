@@ -180,15 +180,17 @@ class RayResourcePool:
 
     def shutdown(self) -> None:
         """Kill the hosts, remove the placement groups, and stop Ray if this pool started it."""
-        if not import_ray().is_initialized():
-            return
         ray = import_ray()
+        if not ray.is_initialized():
+            return
         from ray.util.placement_group import remove_placement_group
 
         for h in self.hosts:
             ray.kill(h)
         for pg in self.placement_groups:
             remove_placement_group(pg)
-        self.hosts, self.placement_groups = [], []
+        self.hosts, self.placement_groups, self.megatron = [], [], False
+        if self.run is not None:
+            self.run.close()
         if self.started_ray:
             ray.shutdown()
