@@ -17,6 +17,8 @@
 #   CPUS_PER_NODE   CPUs each node offers Ray                         default $SLURM_CPUS_ON_NODE (else 64)
 #   RAY_PORT        the head's GCS port                               default 6379 + SLURM_JOB_ID % 1000
 #   RAY_WAIT_S      seconds to wait for every node to join            default 300
+#   RAY_AUTH_MODE   Ray's RPC authentication (head, workers, driver)  default token
+#   RAY_AUTH_TOKEN  its shared secret, handed to every node by srun   default a fresh random one per job
 #   HYBRIDRL_ROOT   the repository                                    default this file's repo, else submit dir
 #   VENV            virtual environment present on every node         default $HYBRIDRL_ROOT/.venv
 #   PYTHON          its interpreter                                   default $VENV/bin/python
@@ -64,6 +66,12 @@ fi
   || die "NNODES ($NNODES) exceeds the ${#HOSTS[@]} node(s) of SLURM_JOB_NODELIST ($SLURM_JOB_NODELIST)"
 HEAD=${HOSTS[0]}
 export RAY_ADDRESS="$HEAD:$RAY_PORT"
+# Ray's `ray start` and its clients must agree on authentication; a per-job token needs no shared home folder.
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+if [ "$RAY_AUTH_MODE" = token ] && [ -z "${RAY_AUTH_TOKEN:-}" ]; then
+  RAY_AUTH_TOKEN=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')
+  export RAY_AUTH_TOKEN
+fi
 
 RESOURCES=(--num-cpus "$CPUS_PER_NODE" --num-gpus "$GPUS_PER_NODE")
 HEAD_CMD=("$PYTHON" -m ray.scripts.scripts start --head --node-ip-address "$HEAD" --port "$RAY_PORT"

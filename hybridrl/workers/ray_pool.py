@@ -86,7 +86,7 @@ def check_against_cluster(process_on_nodes: list[int], use_gpu: bool, nodes: lis
     short = [(w, h) for w, h in zip(want, have + [0] * len(want), strict=False) if w > h]
     if short:
         need, got = short[0]
-        fix = "set use_gpu=False on a CPU cluster" if use_gpu and not any(have) else (
+        fix = "set use_gpu=False on a CPU cluster, or RAY_ADDRESS to a GPU one" if use_gpu and not any(have) else (
             "lower process_on_nodes or add nodes to the Ray cluster")  # fmt: skip
         raise ResourceError(
             f"process_on_nodes {process_on_nodes} (use_gpu={use_gpu}) needs a node with {need} {unit}s per placement "
