@@ -103,13 +103,13 @@ if [ "$NNODES" -gt 1 ]; then
 fi
 # Wait until every node has joined (the driver's pool check would otherwise see a partial cluster).
 "$PYTHON" - "$NNODES" "$RAY_WAIT_S" <<'EOF' || die "the Ray cluster at $RAY_ADDRESS did not reach $NNODES node(s) in $RAY_WAIT_S s"
-import sys, time
+import os, sys, time
 import ray
 want, wait_s = int(sys.argv[1]), float(sys.argv[2])
 deadline = time.time() + wait_s
 while True:
     try:
-        ray.init(address="auto", log_to_driver=False)
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
         break
     except Exception:
         if time.time() > deadline:

@@ -30,6 +30,10 @@ class RayNotInstalledError(InputError, ImportError):
     """Ray mode was asked for but Ray is not importable; the message names the extra to install."""
 
 
+class RayConnectError(InputError, ConnectionError):
+    """The Ray cluster named by ``RAY_ADDRESS`` cannot be joined; one line naming the address and the fix."""
+
+
 def import_ray() -> Any:
     """The ``ray`` module, or a one-line error naming ``pip install hybridrl[ray]``."""
     try:
@@ -49,9 +53,20 @@ def connect(num_cpus: int | None = None) -> bool:
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        address = os.environ["RAY_ADDRESS"]
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except (ConnectionError, RuntimeError, ray.exceptions.RayError) as err:
+            text = str(err).strip()
+            first = text.splitlines()[-1] if text else type(err).__name__
+            raise RayConnectError(
+                f"could not join the Ray cluster at RAY_ADDRESS={address} ({type(err).__name__}: {first[:240]}); "
+                "check the address, and RAY_AUTH_MODE / RAY_AUTH_TOKEN if the cluster authenticates, or unset "
+                "RAY_ADDRESS for a local Ray"
+            ) from None
         return False
-    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True)
+    # "local": a new Ray of our own, even where `ray start` left another one (ray.init would join that)
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True)
     return True
 
 

@@ -32,7 +32,7 @@ ray = pytest.importorskip("ray")
 @pytest.fixture(scope="module")
 def local_ray():
     os.environ.pop("RAY_ADDRESS", None)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
