@@ -221,11 +221,12 @@ class RayWorkerGroup:
         from hybridrl.errors import _PEER_PATTERNS, is_peer_failure
 
         rank_of = {f: r for r, f in enumerate(futures)}
+        results: dict[int, Any] = {}
         pending = list(futures)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             try:
-                ray.get(ready[0])
+                results[rank_of[ready[0]]] = ray.get(ready[0])
             except RayActorError:
                 self._raise_dead(ready, rank_of, method, wait_s=0)
             except RayTaskError as err:
@@ -240,7 +241,7 @@ class RayWorkerGroup:
                     raise WorkerDiedError(f"the {self.name} worker on {where} lost a peer during {method}: "
                                           f"{first[:300]}; the run stopped") from None  # fmt: skip
                 raise
-        return ray.get(futures)
+        return [results[r] for r in range(len(futures))]
 
     def _raise_dead(self, pending: list[Any], rank_of: dict[Any, int], method: str, wait_s: float = 5.0) -> None:
         """Raise :class:`WorkerDiedError` for a host among ``pending`` that died (waiting ``wait_s`` for Ray to
