@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from hybridrl.config.checks_fsdp import check_fsdp_roles
+from hybridrl.config.checks_launcher import check_launcher
 from hybridrl.config.checks_lora import check_lora
 from hybridrl.config.checks_model import check_against_checkpoint, check_architecture
 from hybridrl.config.checks_values import check_finite
@@ -492,6 +493,7 @@ CHECKS: tuple[Callable[[RunConfig, int], None], ...] = (
     check_architecture,
     check_lora,
     check_fsdp_roles,
+    check_launcher,
 )
 """Run in this order: single fields first, so later checks may rely on positive sizes."""
 

@@ -304,6 +304,9 @@ class TrainerConfig:
     (after saving a checkpoint)."""
     collective_timeout_s: float = 600.0
     """Seconds a collective waits for its peers before failing: a dead rank becomes an error, not a hang."""
+    launcher: str = "spmd"
+    """How the processes run: "spmd" (torchrun / srun start one process per device, each runs the loop) or "ray"
+    (``hybridrl train`` runs the loop as one driver; each device is a Ray actor; docs/ray.md)."""
 
 
 @dataclass

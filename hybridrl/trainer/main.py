@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hybridrl.config import ConfigError, RunConfig, load_config, run_layout
-from hybridrl.distributed import ParallelLayout, detect_env, init_distributed, init_model_parallel
+from hybridrl.distributed import LaunchError, ParallelLayout, detect_env, init_distributed, init_model_parallel
 from hybridrl.trainer.preflight import (
     ModelPathError,
     check_environment,
@@ -194,7 +194,14 @@ def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
 
     start = time.perf_counter()
     penv = detect_env()
+    if penv.launcher == "single" and load_config(config, overrides).trainer.launcher == "ray":
+        from hybridrl.trainer.ray_launch import train_ray
+
+        return train_ray(config, overrides)  # one driver; the devices are Ray actors
     cfg = load_config(config, overrides, world_size=penv.world_size)  # every check before any collective
+    if cfg.trainer.launcher == "ray":
+        raise LaunchError(f"trainer.launcher=ray runs one driver process, but this is rank {penv.rank} of a "
+                          f"{penv.launcher} launch; run 'hybridrl train ...' without torchrun / srun")  # fmt: skip
     check_environment(cfg)  # the loggers' packages, a writable run folder
     reward = RewardManager.from_config(cfg.reward)  # the scorer loads and takes its four arguments; None: RM only
     init_distributed(timeout_s=cfg.trainer.collective_timeout_s)

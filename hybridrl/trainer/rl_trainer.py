@@ -95,10 +95,11 @@ class RLTrainer:
         tokenizer: a :class:`hybridrl.data.tokenizers.Tokenizer` (decodes responses for the scorers).
         train_dataset / val_dataset: :class:`hybridrl.data.RLHFDataset` (val may be None).
         reward_manager: :class:`hybridrl.rewards.RewardManager`.
+        ray_pool: Ray mode's :class:`~hybridrl.workers.ray_pool.RayResourcePool` (None: SPMD, this process's roles).
     """
 
     def __init__(self, cfg: RunConfig, layout: ParallelLayout, model_path: str, tokenizer: Any, train_dataset: Any,
-                 val_dataset: Any, reward_manager: Any) -> None:  # fmt: skip
+                 val_dataset: Any, reward_manager: Any, ray_pool: Any = None) -> None:  # fmt: skip
         self.cfg, self.tokenizer, self.reward = cfg, tokenizer, reward_manager
         rank = dist.get_rank() if dist.is_initialized() else 0
         pool = ResourcePool(
@@ -110,12 +111,17 @@ class RLTrainer:
         if rank == 0:
             for role in ("actor", "critic") if "critic" in workers else ("actor",):
                 print(f"[hybridrl] {update_schedule(cfg, role)}", flush=True)
-        self.actor = WorkerGroup(pool, workers["actor"])
-        self.ref = WorkerGroup(pool, workers["ref"]) if "ref" in workers else None
+        group = WorkerGroup
+        if ray_pool is not None:  # Ray mode (trainer.launcher=ray): each role a group of remote calls on the actors
+            from hybridrl.workers.ray_group import ray_role_group as group
+
+            pool = ray_pool
+        self.actor = group(pool, workers["actor"])
+        self.ref = group(pool, workers["ref"]) if "ref" in workers else None
         if cfg.ref.enable and cfg.actor.lora.enable:
             self.ref = self.actor  # its compute_ref_log_prob: the actor's model with the adapters off
-        self.rm = WorkerGroup(pool, workers["rm"]) if "rm" in workers else None
-        self.critic = WorkerGroup(pool, workers["critic"]) if "critic" in workers else None
+        self.rm = group(pool, workers["rm"]) if "rm" in workers else None
+        self.critic = group(pool, workers["critic"]) if "critic" in workers else None
         self.loader = PromptLoader(
             train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
         )

@@ -76,10 +76,31 @@ class ResourcePool:
 
 
 class ClassWithInitArgs:
-    """A worker class and the arguments to build it with, built lazily in each process."""
+    """A worker class and the arguments to build it with, built lazily in each process.
 
-    def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
-        self.cls, self.args, self.kwargs = cls, args, kwargs
+    ``ClassWithInitArgs(cls, *args, **kwargs)`` or, as verl writes it, ``ClassWithInitArgs(cls=..., init_args={...})``
+    (``init_args``: constructor keyword arguments). Arguments that do not fit the constructor are refused here, in
+    one line, not at the first build.
+    """
+
+    complete_args = True  # the Ray form completes missing arguments from its pool's run instead
+
+    def __init__(self, cls: type, *args: Any, init_args: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if init_args is not None and not isinstance(init_args, dict):
+            raise TypeError(f"init_args ({init_args!r}) must be a dict of {getattr(cls, '__name__', cls)}'s keyword "
+                            "arguments")  # fmt: skip
+        both = sorted(set(init_args or {}) & set(kwargs))
+        if both:
+            raise TypeError(f"{both[0]!r} is given both in init_args and as a keyword argument; give it once")
+        self.cls, self.args, self.kwargs = cls, args, {**(init_args or {}), **kwargs}
+        if self.complete_args:
+            import inspect
+
+            try:
+                inspect.signature(cls).bind(*self.args, **self.kwargs)
+            except TypeError as err:
+                raise TypeError(f"ClassWithInitArgs({getattr(cls, '__name__', cls)}): {err}; pass the constructor's "
+                                "arguments (positional, keyword or init_args={...})") from None  # fmt: skip
 
     def build(self) -> Any:
         return self.cls(*self.args, **self.kwargs)
