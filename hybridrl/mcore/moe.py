@@ -109,8 +109,13 @@ def layer_spec(shape: Any, transformer_engine: bool) -> Any:
 
 
 def config_overrides(moe: MoEShape) -> dict[str, Any]:
-    """``TransformerConfig`` fields of the MoE layers (dropless routing, as HF's models route)."""
+    """``TransformerConfig`` fields of the MoE layers (dropless routing, as HF's models route), with the expert
+    parallel sizes of the initialised process groups."""
+    from megatron.core import parallel_state as mpu
+
     return dict(
+        expert_model_parallel_size=mpu.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=mpu.get_expert_tensor_parallel_world_size(),
         num_moe_experts=moe.num_experts,
         moe_ffn_hidden_size=moe.ffn_hidden_size,
         moe_router_topk=moe.topk,
@@ -126,14 +131,33 @@ def config_overrides(moe: MoEShape) -> dict[str, Any]:
     )
 
 
-def is_moe(chunks: list[torch.nn.Module]) -> bool:
-    """True when the chunks hold expert parameters (Megatron marks them ``allreduce=False``)."""
-    return any(not getattr(p, "allreduce", True) for chunk in chunks for p in chunk.parameters())
+def expert_parallel(chunks: list[torch.nn.Module]) -> bool:
+    """True for an MoE model on more than one expert-parallel rank (chunks may be wrapped in DDP)."""
+    from megatron.core.utils import get_model_config
+
+    from megatron.core import parallel_state as mpu
+
+    config = get_model_config(chunks[0])
+    return getattr(config, "num_moe_experts", None) is not None and mpu.get_expert_model_parallel_world_size() > 1
 
 
-def is_expert(param: torch.nn.Parameter) -> bool:
-    """An expert weight: reduced over the expert-data-parallel group, not the data-parallel one."""
-    return not getattr(param, "allreduce", True)
+def check_equal_width(width: int) -> None:
+    """Raise unless every expert-parallel peer runs micro-batches of ``width`` tokens per row.
+
+    The allgather dispatcher gathers equal-sized token blocks from the EP peers in every MoE layer; a peer
+    with other widths would fail deep inside gloo/NCCL (or hang). One all-reduce over the EP group.
+    """
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_expert_model_parallel_group()
+    widths = torch.tensor([width, -width], dtype=torch.long)
+    dist.all_reduce(widths, op=dist.ReduceOp.MAX, group=group)
+    if widths[0].item() != -widths[1].item():
+        raise ValueError(
+            f"expert-parallel peers hold batches of different widths ({-widths[1].item()}..{widths[0].item()} "
+            "tokens); pad every data-parallel shard to the same width (data.max_prompt_length + "
+            "data.max_response_length) under actor.megatron.ep_size > 1"
+        )
 
 
 def aux_loss_metrics(config: Any, num_micro_batches: int) -> dict[str, float]:
