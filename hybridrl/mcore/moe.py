@@ -133,9 +133,8 @@ def config_overrides(moe: MoEShape) -> dict[str, Any]:
 
 def expert_parallel(chunks: list[torch.nn.Module]) -> bool:
     """True for an MoE model on more than one expert-parallel rank (chunks may be wrapped in DDP)."""
-    from megatron.core.utils import get_model_config
-
     from megatron.core import parallel_state as mpu
+    from megatron.core.utils import get_model_config
 
     config = get_model_config(chunks[0])
     return getattr(config, "num_moe_experts", None) is not None and mpu.get_expert_model_parallel_world_size() > 1

@@ -10,8 +10,6 @@ export case writes the model back to an HF folder (collective). Results are rank
 
 from __future__ import annotations
 
-import torch
-
 LAYOUTS = {"dp2": {}, "ep2": {"ep": 2}, "pp2": {"pp": 2}}
 
 
@@ -64,8 +62,9 @@ def train_step(case: dict, batch: dict, optim: dict) -> dict:
         hf_delta, delta = ref - before[name], mine - before[name]
         if hf_delta.abs().max() > 0:
             update = max(update, ((delta - hf_delta).abs().max() / hf_delta.abs().max()).item())
+    experts = sum(1 for n in before if "experts" in n)
     return {"norm": result.grad_norm, "skipped": result.skipped, "weights": weights, "update": update,
-            "aux": step.metrics.get(moe.AUX_LOSS_METRIC), "experts": sum(1 for n in before if "experts" in n)}  # fmt: skip
+            "aux": step.metrics.get(moe.AUX_LOSS_METRIC), "experts": experts}  # fmt: skip
 
 
 def body(rank: int, world: int, spec: dict) -> dict:

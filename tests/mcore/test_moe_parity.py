@@ -138,7 +138,8 @@ def test_step_matches_hf_clip_and_adamw(run, layout, arch):
         got = r[(layout, arch, "step", rank)]
         rel = abs(got["norm"] - ref["norm"]) / ref["norm"]
         print(f"{layout} {arch} rank {rank}: grad norm {got['norm']:.7f} vs HF {ref['norm']:.7f} ({rel:.1e}); "
-              f"aux {got['aux']} vs {ref['aux']:.7f}; weights {got['weights']:.1e} update {got['update']:.1e}")  # fmt: skip
+              f"aux {got['aux']:.7f} vs {ref['aux']:.7f}; weights {got['weights']:.1e} "
+              f"update {got['update']:.1e}")  # fmt: skip
         assert not got["skipped"] and rel <= NORM_TOL, (layout, arch, rank, got, ref)
         assert abs(got["aux"] - ref["aux"]) <= 1e-5 * ref["aux"], (got["aux"], ref["aux"])
         assert got["weights"] <= 1e-5 and got["update"] <= 1e-3, (layout, arch, rank, got)
