@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from hybridrl.config.checks_model import check_against_checkpoint, check_architecture
+from hybridrl.config.checks_moe import check_moe
 from hybridrl.config.checks_values import check_finite
 from hybridrl.config.checks_variants import check_loop_features, check_loss_variants, fill_variants
 from hybridrl.config.layout import check_layouts, derived_dp, options_of, run_layout, world_size_of
@@ -487,6 +488,7 @@ CHECKS: tuple[Callable[[RunConfig, int], None], ...] = (
     check_batch_sizes,
     check_algorithm_roles,
     check_architecture,
+    check_moe,
 )
 """Run in this order: single fields first, so later checks may rely on positive sizes."""
 
