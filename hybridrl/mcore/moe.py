@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.errors import InputError
+from hybridrl.mcore import cpu_compat
 
 DISPATCHER = "allgather"
 """Megatron token dispatcher: ``all_to_all_single`` between EP peers (gloo implements it)."""
@@ -81,15 +82,6 @@ def check_ep(moe: MoEShape, ep: int, dp: int, key: str = "actor.megatron.ep_size
         )
 
 
-def _define_missing_te_names() -> None:
-    """megatron-core 0.16.1's router GEMM reads ``moe_utils.te_general_gemm``, which it leaves undefined when
-    TransformerEngine is not installed (a NameError at the first forward): define it as absent (None)."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def layer_spec(shape: Any, transformer_engine: bool) -> Any:
     """Megatron's GPT layer spec with an MoE MLP: local ``SequentialMLP`` experts, TE's grouped GEMM with TE."""
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -97,7 +89,7 @@ def layer_spec(shape: Any, transformer_engine: bool) -> Any:
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    _define_missing_te_names()
+    cpu_compat.define_missing_te_names()
 
     if transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec(
