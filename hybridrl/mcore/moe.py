@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridrl.errors import InputError
 from hybridrl.mcore import cpu_compat
 
 DISPATCHER = "allgather"
@@ -63,23 +62,6 @@ class MoEShape:
     """The HF module of a layer's MoE block: ``mlp`` (Qwen3-MoE) or ``block_sparse_moe`` (Mixtral)."""
     hf_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     """HF names of an expert's gate, up and down projections (Mixtral: ``w1``, ``w3``, ``w2``)."""
-
-
-class MoEConfigError(InputError, ValueError):
-    """An MoE setting that cannot be built; the message names the key and the fix."""
-
-
-def check_ep(moe: MoEShape, ep: int, dp: int, key: str = "actor.megatron.ep_size") -> None:
-    """Raise :class:`MoEConfigError` unless ``ep`` divides the experts and the data-parallel ranks."""
-    if ep < 1 or moe.num_experts % ep:
-        raise MoEConfigError(
-            f"{key} ({ep}) must divide the number of experts ({moe.num_experts}); choose a divisor of {moe.num_experts}"
-        )
-    if dp % ep:
-        raise MoEConfigError(
-            f"{key} ({ep}) must divide the data-parallel size ({dp}): expert-parallel peers are data-parallel "
-            f"ranks; lower {key} or raise the number of data-parallel ranks"
-        )
 
 
 def layer_spec(shape: Any, transformer_engine: bool) -> Any:
