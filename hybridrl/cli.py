@@ -53,6 +53,10 @@ def layout_report(layout, roles: list[str], backend: str = "vllm") -> str:
     lines = [f"train   {layout.describe()}, shared by {', '.join(roles)}"]
     for axis in ("tp", "pp", "dp"):
         lines.append(f"        {axis} peers: {_format_groups(layout.groups(axis))}")
+    if layout.ep > 1:  # MoE: the data-parallel ranks that split the experts
+        from hybridrl.config.checks_moe import ep_groups
+
+        lines.append(f"        ep peers: {_format_groups(ep_groups(layout))}")
     lines.append(f"rollout {backend} tp={layout.rollout_tp} replicas={layout.rollout_replicas}")
     lines.append(f"        engines: {_format_groups(layout.groups('rollout_tp'))}")
     lines.append(f"        replica groups: {_format_groups(layout.groups('rollout_dp'))}")

@@ -21,6 +21,7 @@ from hybridrl.config.checks_fsdp import check_fsdp_roles
 from hybridrl.config.checks_launcher import check_launcher
 from hybridrl.config.checks_lora import check_lora
 from hybridrl.config.checks_model import check_against_checkpoint, check_architecture
+from hybridrl.config.checks_moe import check_moe
 from hybridrl.config.checks_values import check_finite
 from hybridrl.config.checks_variants import check_loop_features, check_loss_variants, fill_variants
 from hybridrl.config.layout import check_layouts, derived_dp, options_of, run_layout, world_size_of
@@ -494,6 +495,7 @@ CHECKS: tuple[Callable[[RunConfig, int], None], ...] = (
     check_lora,
     check_fsdp_roles,
     check_launcher,
+    check_moe,
 )
 """Run in this order: single fields first, so later checks may rely on positive sizes."""
 

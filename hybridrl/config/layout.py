@@ -77,10 +77,10 @@ def check_layouts(cfg: RunConfig, world: int) -> None:
         if t.nnodes > 1 and t.n_gpus_per_node % tp:  # TP groups are consecutive ranks: keep them on one node
             _fail(f"{key} ({tp}) must divide trainer.n_gpus_per_node ({t.n_gpus_per_node}): a tensor-parallel group "
                   f"must not span nodes; lower {key}", key)  # fmt: skip
-    for name, what in (("cp_size", "context parallelism"), ("ep_size", "expert parallelism (MoE)")):
+    for name, what in (("cp_size", "context parallelism"),):  # ep_size: checks_moe (MoE models)
         if getattr(m, name) != 1:
-            _fail(f"actor.megatron.{name} ({getattr(m, name)}) must be 1: {what} is not supported yet (dense "
-                  f"Llama/Qwen models only); set actor.megatron.{name}=1", f"actor.megatron.{name}")  # fmt: skip
+            _fail(f"actor.megatron.{name} ({getattr(m, name)}) must be 1: {what} is not supported yet; "
+                  f"set actor.megatron.{name}=1", f"actor.megatron.{name}")  # fmt: skip
     roles = ["actor"] + [r for r in ("ref", "critic") if getattr(cfg, r).enable]
     for role in roles:
         _check_options(cfg, f"{role}.megatron", getattr(cfg, role).megatron, layout.tp)

@@ -42,12 +42,17 @@ KNOWN_SHAPES = {
                        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192),
     "llama-3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                         num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, max_position_embeddings=40960, tie_word_embeddings=False),
 }  # fmt: skip
 KNOWN_REPOS = {
     "meta-llama/llama-2-7b-hf": "llama-2-7b", "meta-llama/llama-2-7b-chat-hf": "llama-2-7b",
     "qwen/qwen2-7b": "qwen2-7b", "qwen/qwen2-7b-instruct": "qwen2-7b",
     "meta-llama/meta-llama-3-8b": "llama-3-8b", "meta-llama/meta-llama-3-8b-instruct": "llama-3-8b",
     "meta-llama/meta-llama-3-70b": "llama-3-70b", "meta-llama/meta-llama-3-70b-instruct": "llama-3-70b",
+    "qwen/qwen3-30b-a3b": "qwen3-30b-a3b", "qwen/qwen3-30b-a3b-base": "qwen3-30b-a3b",
 }  # fmt: skip
 """Exact Hub names (lower case) of those checkpoints: a fine-tune or long-context variant under another name
 may differ (its max_position_embeddings above all), so nothing is assumed for it."""
@@ -63,13 +68,21 @@ class Arch:
     kv_heads: int
     head_dim: int
     tied: bool
+    experts: int = 0
+    """Routed experts per layer (MoE; 0 = dense): each layer's MLP is ``experts`` SwiGLU MLPs of width ``ffn``
+    plus an ``(experts, hidden)`` router."""
 
     def params(self) -> tuple[int, int]:
-        """(transformer-layer params, embedding + output params)."""
+        """(transformer-layer params without the experts, embedding + output params)."""
         qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
-        per_layer = qkv + self.heads * self.head_dim * self.hidden + 3 * self.hidden * self.ffn + 2 * self.hidden
+        mlp = self.experts * self.hidden if self.experts else 3 * self.hidden * self.ffn  # router, or dense MLP
+        per_layer = qkv + self.heads * self.head_dim * self.hidden + mlp + 2 * self.hidden
         embed = self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
         return self.layers * per_layer, embed
+
+    def expert_params(self) -> int:
+        """Parameters of all experts of all layers (split over EP x TP x PP)."""
+        return self.layers * self.experts * 3 * self.hidden * self.ffn
 
 
 def model_fields(cfg: Any, path: str | None = None) -> dict[str, Any]:
@@ -99,27 +112,37 @@ def architecture(cfg: Any, path: str | None = None) -> Arch | None:
     if any(fields.get(k) is None for k in need):
         return None
     heads = fields["num_attention_heads"]
+    moe = {"ffn": fields["intermediate_size"], **_moe(fields)}
     return Arch(
         vocab=fields["vocab_size"],
         hidden=fields["hidden_size"],
-        ffn=fields["intermediate_size"],
         layers=fields["num_hidden_layers"],
         heads=heads,
         kv_heads=fields.get("num_key_value_heads") or heads,
         head_dim=fields.get("head_dim") or fields["hidden_size"] // heads,
         tied=bool(fields.get("tie_word_embeddings", False)),
+        **moe,
     )
 
 
-def per_rank_params(arch: Arch, tp: int, pp: int, lm_head: bool = True) -> int:
-    """Parameters one rank holds: layers over TP x PP, embedding (and output layer) over TP.
+def _moe(fields: dict[str, Any]) -> dict[str, int]:
+    """Arch overrides of an MoE config: the expert count and width (Mixtral's ``intermediate_size`` is it)."""
+    experts = fields.get("num_experts") or fields.get("num_local_experts") or 0
+    if not experts or fields.get("model_type") not in ("qwen3_moe", "mixtral"):
+        return {}
+    return {"experts": int(experts), "ffn": int(fields.get("moe_intermediate_size") or fields["intermediate_size"])}
+
+
+def per_rank_params(arch: Arch, tp: int, pp: int, lm_head: bool = True, ep: int = 1) -> int:
+    """Parameters one rank holds: layers over TP x PP, experts over EP x TP x PP, embedding (and output layer)
+    over TP.
 
     ``lm_head=False``: a critic / reward model, whose output layer is a ``(1, hidden)`` score head.
     """
     layers, embed = arch.params()
     if not lm_head and not arch.tied:
         embed -= arch.vocab * arch.hidden - arch.hidden
-    return layers // (tp * pp) + embed // tp
+    return layers // (tp * pp) + arch.expert_params() // (ep * tp * pp) + embed // tp
 
 
 def optimizer_bytes(optim: Any, megatron: Any, dtype: str, on_gpu: bool, dp: int) -> tuple[float, str]:
@@ -226,8 +249,14 @@ def estimate(cfg: Any, device_gib: float | None = None, layout: Any = None) -> E
             parts[f"{role} grads"] = Part(n * 4 / GIB, f"fp32, FSDP {share}")
             parts[f"{role} optimizer"] = Part(n * 8 / GIB, f"8 B/param, FSDP {share}")
             return
-        n = per_rank_params(shape, layout.tp, layout.pp, lm_head)
+        n = per_rank_params(shape, layout.tp, layout.pp, lm_head, layout.ep)
         optim, why = optimizer_bytes(section.optim, section.megatron, cfg.model.dtype, on_gpu, layout.dp)
+        experts = shape.expert_params() // (layout.ep * layout.tp * layout.pp)
+        if experts:  # expert states shard over the expert-data-parallel ranks (dp / ep), the rest over dp
+            edp = layout.dp // layout.ep
+            edp_optim, _ = optimizer_bytes(section.optim, section.megatron, cfg.model.dtype, on_gpu, edp)
+            optim = ((n - experts) * optim + experts * edp_optim) / n
+            why += f" (experts: {edp_optim:g} B/param, {edp} expert-DP ranks)"
         when = "while vLLM generates" if role == "actor" else "outside its passes"
         weights, state = on_gpu and section.param_offload, on_gpu and section.optimizer_offload
         trained, adapters, note = n, 0, ""
@@ -239,7 +268,7 @@ def estimate(cfg: Any, device_gib: float | None = None, layout: Any = None) -> E
         parts[f"{role} optimizer"] = Part(trained * optim / GIB, why, away=f"host RAM {when}" * state)
 
     def frozen(name: str, shape: Arch, lm_head: bool, offload: bool, backend: str = "megatron") -> None:
-        n = per_rank_params(shape, layout.tp, layout.pp, lm_head)
+        n = per_rank_params(shape, layout.tp, layout.pp, lm_head, layout.ep)
         if backend == "fsdp":
             n = -(-per_rank_params(shape, 1, 1, lm_head) // layout.world_size)
         away = "host RAM outside its forwards" if on_gpu and offload else ""
@@ -290,9 +319,9 @@ def report(cfg: Any, device_gib: float | None = None, layout: Any = None) -> str
     if arch is None or est is None:
         return "memory: unknown (model.path is not a local folder and model.architecture is incomplete)"
     layers, embed = arch.params()
-    lines = [
-        f"memory per rank in GiB, {est.device}; model {(layers + embed) / 1e9:.2f}B params, activations not counted:"
-    ]
+    total = (layers + embed + arch.expert_params()) / 1e9
+    experts = f" ({arch.expert_params() / 1e9:.2f}B in {arch.experts} experts per layer)" if arch.experts else ""
+    lines = [f"memory per rank in GiB, {est.device}; model {total:.2f}B params{experts}, activations not counted:"]
     for name, p in est.parts.items():
         lines.append(f"  {name:18s} {p.gib:8.2f}  {'; '.join(x for x in (p.note, p.away) if x)}".rstrip())
     rollout = "" if est.rollout_gib is None else f"{est.rollout_gib:.2f}"

@@ -28,6 +28,7 @@ from megatron.core import parallel_state as mpu
 from safetensors.torch import save_file
 
 from hybridrl.mcore import bridge_layout as layout
+from hybridrl.mcore import bridge_moe
 from hybridrl.mcore.bridge_checkpoint import INDEX, SINGLE, CheckpointError, HFCheckpoint, validate
 from hybridrl.mcore.gpt import GPTShape
 from hybridrl.mcore.hf_config import architecture_name
@@ -51,10 +52,14 @@ def global_parameters(chunks: Iterable[torch.nn.Module]) -> Iterator[tuple[str, 
     """(name, parameter) over this rank's chunks, with 0-based GLOBAL layer numbers in the names."""
     for chunk in chunks:
         numbers = [layer.layer_number - 1 for layer in chunk.decoder.layers] if hasattr(chunk, "decoder") else []
+        experts = getattr(getattr(chunk, "config", None), "num_moe_experts", None)
         for name, param in chunk.named_parameters():
             m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
             if m:
                 name = f"decoder.layers.{numbers[int(m.group(1))]}.{m.group(2)}"
+            if experts:  # experts by their global index, as layers
+                ep = mpu.get_expert_model_parallel_world_size()
+                name = bridge_moe.global_expert_name(name, mpu.get_expert_model_parallel_rank(), experts // ep)
             yield name, param
 
 
@@ -92,7 +97,7 @@ def load(
             if m.megatron not in params:
                 continue  # another pipeline stage's tensor, or a tied output layer that reuses the embedding
             covered.add(m.megatron)
-            pieces = m.pieces(tp_rank)
+            pieces = m.pieces(mpu.get_expert_tensor_parallel_rank() if m.expert else tp_rank)
             if any(p.hf not in ckpt.files for p in pieces if p.hf is not None):
                 missing = [p.hf for p in pieces if p.hf is not None and p.hf not in ckpt.files]
                 if set(missing) <= set(optional):
@@ -121,6 +126,9 @@ def _owners(chunks: list[torch.nn.Module]) -> tuple[dict[str, torch.Tensor], dic
     mine = {
         "tp": mpu.get_tensor_model_parallel_rank(),
         "dp": mpu.get_data_parallel_rank(with_context_parallel=True),
+        # experts: one copy per expert-data-parallel group, split over expert-tensor-parallel ranks
+        "etp": mpu.get_expert_tensor_parallel_rank(),
+        "edp": mpu.get_expert_data_parallel_rank(),
         "params": {n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in params.items()},
     }
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -128,10 +136,11 @@ def _owners(chunks: list[torch.nn.Module]) -> tuple[dict[str, torch.Tensor], dic
     sources: dict[str, list[tuple[int, int]]] = {}
     meta: dict[str, tuple] = {}
     for rank, info in enumerate(everyone):
-        if info["dp"] != 0:
-            continue
         for name, spec in info["params"].items():
-            sources.setdefault(name, []).append((info["tp"], rank))
+            expert = bridge_moe.is_expert_name(name)
+            if info["edp" if expert else "dp"] != 0:
+                continue
+            sources.setdefault(name, []).append((info["etp" if expert else "tp"], rank))
             meta[name] = spec
     return params, {n: sorted(s) for n, s in sources.items()}, meta
 

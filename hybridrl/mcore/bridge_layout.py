@@ -49,6 +49,8 @@ class TensorMap:
     dim: int
     shards: tuple[tuple[Piece, ...], ...]
     export: bool = True
+    expert: bool = False
+    """An expert weight: its shards are per EXPERT tensor-parallel rank (``bridge_moe``)."""
 
     @property
     def replicated(self) -> bool:
@@ -149,12 +151,20 @@ def layer_maps(shape: GPTShape, tp: int, layer: int, fused_norms: bool = False) 
             maps.append(
                 TensorMap(f"{mg}self_attention.{x}_layernorm.weight", 0, ((Piece(f"{attn}{x}_norm.weight", 0, hd),),))
             )
-    maps += [
+    maps.append(
         TensorMap(
             mg + "self_attention.linear_proj.weight",
             1,
             _per_rank(tp, split_pieces, f"{attn}o_proj.weight", shape.num_attention_heads * hd),
-        ),
+        )
+    )
+    if shape.moe is not None:  # the MoE block keeps its own pre-MLP norm in both specs
+        from hybridrl.mcore import bridge_moe
+
+        norm = Piece(f"{hf}post_attention_layernorm.weight", 0, h)
+        maps.append(TensorMap(mg + "pre_mlp_layernorm.weight", 0, ((norm,),)))
+        return maps + bridge_moe.moe_maps(shape, tp, layer, grouped=fused_norms)
+    maps += [
         TensorMap(mg + mlp_norm, 0, ((Piece(f"{hf}post_attention_layernorm.weight", 0, h),),)),
         TensorMap(mg + "mlp.linear_fc1.weight", 0, tuple(gate_up_pieces(f"{hf}mlp.", shape, tp, r) for r in range(tp))),
         TensorMap(
@@ -212,6 +222,11 @@ def hf_shapes(shape: GPTShape, head: str = "lm") -> dict[str, tuple[int, ...]]:
             out[p + "self_attn.k_norm.weight"] = (hd,)
         out[p + "self_attn.o_proj.weight"] = (h, q)
         out[p + "post_attention_layernorm.weight"] = (h,)
+        if shape.moe is not None:
+            from hybridrl.mcore import bridge_moe
+
+            out.update(bridge_moe.hf_moe_shapes(shape, layer))
+            continue
         out[p + "mlp.gate_proj.weight"] = (f, h)
         out[p + "mlp.up_proj.weight"] = (f, h)
         out[p + "mlp.down_proj.weight"] = (h, f)

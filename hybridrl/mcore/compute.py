@@ -47,7 +47,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.utils import get_model_config
 
 from hybridrl.algos.aggregation import aggregate, check_mode
-from hybridrl.mcore import prefix_share
+from hybridrl.mcore import moe, prefix_share
 from hybridrl.mcore.gpt import run_schedule
 from hybridrl.mcore.heads import LogProbHead, TokenHead, ValuesHead, gather_response
 from hybridrl.mcore.loss_scaling import global_denominator, grad_reduce_mean_factor
@@ -152,6 +152,9 @@ def micro_batches_trimmed(chunks, batch: dict[str, torch.Tensor], micro_batch_si
     8 (and of TP under sequence parallelism, which splits the sequence over TP)."""
     if not trim:
         return split_micro_batches(batch, micro_batch_size)
+    if moe.expert_parallel(chunks):  # EP peers exchange tokens in every layer: one width for all of them
+        moe.check_equal_width(batch["model_input_ids"].shape[1])
+        return split_micro_batches(batch, micro_batch_size)
     multiple = _width_multiple(chunks)
     if _one_width(chunks):
         return split_micro_batches(trim_padding(batch, multiple), micro_batch_size)
@@ -167,7 +170,7 @@ def _width_multiple(chunks) -> int:
 
 def _one_width(chunks) -> bool:
     """Pipeline parallelism: p2p buffers have one shape, so every micro-batch has the same width."""
-    return mpu.get_pipeline_model_parallel_world_size() > 1 or len(chunks) > 1
+    return mpu.get_pipeline_model_parallel_world_size() > 1 or len(chunks) > 1 or moe.expert_parallel(chunks)
 
 
 def group_by_length(chunks, batch: dict[str, torch.Tensor], trim: bool = True):
@@ -353,6 +356,7 @@ def forward_backward(
     with torch.no_grad() if forward_only else torch.enable_grad(), _installed(chunks, shared):
         mb_metrics = _run_schedule(chunks, micro_batches, loss_func, forward_only)
     loss, metrics = _reduce_step_metrics(contributions, mb_metrics if last_stage else [], dp_group)
+    metrics.update(moe.aux_loss_metrics(get_model_config(chunks[0]), len(micro_batches)))  # MoE only
     return StepOutput(loss=loss, metrics=metrics, micro_batch_metrics=mb_metrics if last_stage else [])
 
 

@@ -12,7 +12,8 @@ patches, each of which is listed in docs/cpu_stack.md ("Megatron-Core on CPU"):
 5. ``torch.cuda.synchronize`` is a no-op;
 6. ``Tensor.cuda()`` is the identity inside ``LanguageModule.setup_embeddings_and_output_layer`` (tied
    embeddings with PP > 1 all-reduce the last stage's copy after ``weight.data.cuda()``);
-7. the model config settings that only work on CPU: :func:`cpu_config_overrides`.
+7. the model config settings that only work on CPU: :func:`cpu_config_overrides`;
+8. (without TransformerEngine, CPU or GPU) the name MoE routing reads: :func:`define_missing_te_names`.
 
 :func:`apply` is idempotent and does nothing when CUDA is available, so GPU runs are never patched.
 A test (``tests/test_house_rules.py``) fails if anything outside this module patches torch or megatron.
@@ -181,6 +182,15 @@ def seed_model_parallel(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int
         seed + 1024 + 100 * ep_rank + (tp_rank if etp_rank is None else etp_rank),
     )
     tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+
+
+def define_missing_te_names() -> None:
+    """megatron-core 0.16.1's MoE router GEMM reads ``moe_utils.te_general_gemm``, which it leaves undefined when
+    TransformerEngine is not installed (a NameError at the first forward): define it as absent (None)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def cpu_config_overrides() -> dict[str, Any]:

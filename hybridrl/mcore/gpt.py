@@ -49,7 +49,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from hybridrl.mcore import cpu_compat, vocab_parallel
+from hybridrl.mcore import cpu_compat, moe, vocab_parallel
 from hybridrl.mcore.parallel_state import p2p_settings
 
 VOCAB_DIVISOR = 64  # Megatron's make_vocab_size_divisible_by default
@@ -101,6 +101,8 @@ class GPTShape:
     """Each token attends to itself and the ``sliding_window - 1`` previous tokens (Mistral). Megatron's
     attention then builds its own banded causal mask and IGNORES the ``attention_mask`` passed to forward
     (key padding must not be needed: keep padding to the right of valid tokens)."""
+    moe: Any = None
+    """Mixture-of-experts layers (a :class:`hybridrl.mcore.moe.MoEShape`); None for a dense model."""
 
     @property
     def kv_channels(self) -> int:
@@ -132,6 +134,8 @@ def layer_spec(shape: GPTShape, transformer_engine: bool | None = None) -> Modul
     """
     if transformer_engine is None:
         transformer_engine = use_transformer_engine()
+    if shape.moe is not None:
+        return moe.layer_spec(shape, transformer_engine)
     if transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
     return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
@@ -171,6 +175,8 @@ def make_config(shape: GPTShape, dtype: torch.dtype = torch.float32, **overrides
     )
     if cpu_compat.is_applied():
         kwargs.update(cpu_compat.cpu_config_overrides())
+    if shape.moe is not None:
+        kwargs.update(moe.config_overrides(shape.moe))
     if overrides.get("batch_p2p_comm") and not p2p_settings()["batch_p2p_comm"]:
         raise ValueError(
             "actor.megatron.batch_p2p_comm (True) gives silently wrong pipeline activations on gloo "

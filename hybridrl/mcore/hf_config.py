@@ -1,6 +1,7 @@
 """Hugging Face configs -> Megatron model architecture: which transformers models hybridrl can train.
 
-Owns the mapping from a transformers ``PretrainedConfig`` (Llama, Qwen2, Mistral, Qwen3) to a
+Owns the mapping from a transformers ``PretrainedConfig`` (Llama, Qwen2, Mistral, Qwen3, and the MoE families
+Qwen3-MoE and Mixtral, whose router and experts ``hf_moe`` maps) to a
 :class:`~hybridrl.mcore.gpt.GPTShape` (RMSNorm eps, RoPE theta and llama3 scaling, GQA, head dim, qkv bias,
 QK-norm, sliding window, tied embeddings, vocab padded by :func:`~hybridrl.mcore.gpt.padded_vocab_size`),
 and from there to a ``TransformerConfig`` (:func:`from_hf`). Everything a Megatron model cannot
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from hybridrl.errors import InputError
-from hybridrl.mcore import gpt
+from hybridrl.mcore import gpt, hf_moe
 
 # model_type -> the architectures (HF class names) whose weights the bridge maps.
 SUPPORTED: dict[str, tuple[str, ...]] = {
@@ -28,6 +29,8 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     "mistral": ("MistralForCausalLM", "MistralForSequenceClassification"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification"),
+    "mixtral": ("MixtralForCausalLM", "MixtralForSequenceClassification"),
 }
 # Megatron's llama3 RoPE scaling fixes these (RotaryEmbedding._apply_scaling); only `factor` is free.
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -94,7 +97,7 @@ def _rope(hf: Any) -> tuple[float, float | None]:
 
 
 def _sliding_window(hf: Any, model_type: str) -> int | None:
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         window = getattr(hf, "sliding_window", None)
         return int(window) if window else None
     layer_types = getattr(hf, "layer_types", None) or []
@@ -144,18 +147,19 @@ def shape_from_hf(
         hidden_size=hf.hidden_size,
         num_attention_heads=heads,
         num_query_groups=groups,
-        ffn_hidden_size=hf.intermediate_size,
+        ffn_hidden_size=getattr(hf, "intermediate_size", None) or hf.moe_intermediate_size,
         vocab_size=hf.vocab_size,
         max_seq_len=max_seq_len or hf.max_position_embeddings,
         rope_theta=theta,
         norm_eps=hf.rms_norm_eps,
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
         qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         padded_vocab_size=gpt.padded_vocab_size(hf.vocab_size, tp, vocab_divisor),
         rope_scaling_factor=rope_factor,
         sliding_window=_sliding_window(hf, model_type),
+        moe=hf_moe.moe_shape(hf, model_type),
     )
     check_tp(shape, tp)
     return shape
@@ -170,6 +174,11 @@ def check_tp(shape: gpt.GPTShape, tp: int) -> None:
     ):
         if value % tp:
             raise HFConfigError(f"{key} ({value}) is not divisible by tp ({tp}); choose a tp that divides {value}")
+    if shape.moe is not None and shape.moe.ffn_hidden_size % tp:
+        raise HFConfigError(
+            f"moe_intermediate_size ({shape.moe.ffn_hidden_size}) is not divisible by the expert tensor-parallel "
+            f"size ({tp}); choose a tp that divides it"
+        )
     if shape.padded_vocab % tp:
         raise HFConfigError(f"padded vocab ({shape.padded_vocab}) is not divisible by tp ({tp}); pad with tp")
 

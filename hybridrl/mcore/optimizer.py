@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+from hybridrl.mcore import moe_optim
 from hybridrl.mcore.gpt import check_tensor_parallel_attributes
 from hybridrl.mcore.lr_schedule import LRSchedule
 
@@ -145,8 +146,6 @@ class TorchOptimizer(_Checkpointable):
         for name, p in named:
             if p.dtype != torch.float32:
                 raise ValueError(f"param {name} is {p.dtype}; the torch optimizer path needs fp32 params (dtype=fp32)")
-            if not getattr(p, "allreduce", True):
-                raise NotImplementedError(f"param {name} is an expert param; MoE needs Megatron's optimizer (GPU)")
         self.params = [p for _, p in named]
         groups = [
             {"params": [p for n, p in named if not _no_weight_decay(n, p)], "wd_mult": 1.0},
@@ -156,9 +155,13 @@ class TorchOptimizer(_Checkpointable):
         for g in groups:
             g["weight_decay"] = config.weight_decay * g["wd_mult"]
         self.optimizer = torch.optim.AdamW(groups, lr=self.schedule(0), betas=config.betas, eps=config.eps)
-        self.buckets = plan_buckets(self.params, config.bucket_numel)
+        # Expert params (MoE) are summed over the expert-data-parallel group and their norm over the expert
+        # model-parallel group (EP x expert-TP x PP): see hybridrl.mcore.moe_optim.
+        self._expert = [moe_optim.is_expert(p) for p in self.params]
+        self.buckets = moe_optim.plan_grouped_buckets(self.params, self._expert, config.bucket_numel, plan_buckets)
         tp_rank = mpu.get_tensor_model_parallel_rank()
         self._counted = [_counts_in_norm(p, tp_rank) for p in self.params]
+        moe_optim.scale_aux_loss_for_summed_grads(self.chunks)
         # Tied embeddings under PP: the first stage's embedding and the last stage's copy (``shared``).
         self._tied = [i for i, p in enumerate(self.params) if getattr(p, "shared_embedding", False)]
         # TP-replicated params whose gradient each TP rank only has a part of (Megatron's finalize_model_grads
@@ -184,10 +187,10 @@ class TorchOptimizer(_Checkpointable):
         return [p.grad for p in self.params]
 
     def _reduce_over_dp(self, grads: list[torch.Tensor]) -> None:
-        group = mpu.get_data_parallel_group(with_context_parallel=True)
-        if dist.get_world_size(group) == 1:
-            return
         for bucket in self.buckets:
+            group = moe_optim.grad_group(self._expert[bucket[0]])
+            if dist.get_world_size(group) == 1:
+                continue
             flat = torch.cat([grads[i].reshape(-1) for i in bucket])
             dist.all_reduce(flat, group=group)
             for i, piece in zip(bucket, flat.split([grads[i].numel() for i in bucket]), strict=True):
@@ -226,10 +229,13 @@ class TorchOptimizer(_Checkpointable):
         norms = torch.stack(torch._foreach_norm(grads)).double() if grads else torch.zeros(0, dtype=torch.float64)
         norms = norms.to(device)
         counted = torch.tensor(self._counted, dtype=torch.bool, device=device)
-        stats = torch.stack([norms[counted].pow(2).sum(), (~torch.isfinite(norms)).sum().double()])
+        expert = torch.tensor(self._expert, dtype=torch.bool, device=device)
+        stats = torch.stack([norms[counted & ~expert].pow(2).sum(), (~torch.isfinite(norms[~expert])).sum().double()])
         group = mpu.get_model_parallel_group()
         if dist.get_world_size(group) > 1:
             dist.all_reduce(stats, group=group)
+        if any(self._expert):
+            stats = stats + moe_optim.expert_norm_stats(norms, expert, self.params)
         return math.sqrt(stats[0].item()) if stats[1].item() == 0 else float("nan")
 
     @torch.no_grad()

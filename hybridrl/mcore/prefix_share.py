@@ -59,6 +59,7 @@ def unsupported(chunks: list[torch.nn.Module]) -> str | None:
         (config.apply_query_key_layer_scaling, "apply_query_key_layer_scaling"),
         (config.attention_dropout > 0, f"attention_dropout {config.attention_dropout}"),
         (config.context_parallel_size > 1, "context parallelism"),
+        (config.expert_model_parallel_size > 1, "expert parallelism (EP peers must run equal token counts)"),
     )
     return next((why for bad, why in checks if bad), None)
 

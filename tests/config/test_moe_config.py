@@ -1,0 +1,81 @@
+"""MoE configs: the packaged Qwen3-30B-A3B and tiny CPU configs validate; bad expert settings are one-line errors
+before any model is built; validate-config's report shows the EP peers and counts the experts in the memory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridrl.cli import layout_report
+from hybridrl.config import ConfigError, load_config, run_layout
+from hybridrl.config.memory import architecture, per_rank_params, report
+from tests.mcore import hf_tiny_moe
+
+QWEN3_30B = "grpo_qwen3_30b_a3b_moe.yaml"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Qwen3-MoE folder (4 experts, top-2) and one whose config.json asks for top-6."""
+    root = tmp_path_factory.mktemp("moe_cfg")
+    good = hf_tiny_moe.make_checkpoint("qwen3_moe", str(root / "good"))
+    config = json.loads((root / "good" / "config.json").read_text())
+    (root / "bad").mkdir()
+    (root / "bad" / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 6}))
+    return good, str(root / "bad")
+
+
+def _error(name: str, overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(name, overrides)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_qwen3_30b_config_validates_for_its_world_with_ep_peers(nodes):
+    cfg = load_config(QWEN3_30B, [f"trainer.nnodes={nodes}"])
+    layout = run_layout(cfg)
+    assert (layout.world_size, layout.tp, layout.dp, layout.ep) == (8 * nodes, 2, 4 * nodes, 8)
+    text = layout_report(layout, ["actor", "ref"])
+    assert "ep peers: [0,2,4,6,8,10,12,14] [1,3,5,7,9,11,13,15]" in text
+
+
+def test_memory_estimate_counts_experts_over_ep():
+    cfg = load_config(QWEN3_30B)
+    arch = architecture(cfg)
+    assert arch.experts == 128 and arch.ffn == 768
+    total = sum(arch.params()) + arch.expert_params()
+    assert 30.0e9 < total < 31.0e9  # Qwen3-30B-A3B: 30.5B parameters
+    ep1, ep8 = per_rank_params(arch, 2, 1, ep=1), per_rank_params(arch, 2, 1, ep=8)
+    assert ep1 - ep8 == arch.expert_params() // 2 - arch.expert_params() // 16
+    assert "B in 128 experts per layer" in report(cfg)
+
+
+def test_tiny_cpu_moe_validates_against_a_tiny_checkpoint(tiny):
+    cfg = load_config("tiny_cpu_moe.yaml", [f"model.path={tiny[0]}"])
+    layout = run_layout(cfg)
+    assert (layout.dp, layout.ep, layout.tp) == (2, 2, 1)
+    assert "ep peers: [0,1]" in layout_report(layout, ["actor"])
+
+
+def test_bad_expert_settings_are_one_line_errors(tiny):
+    good, bad = tiny
+    base = ["tiny_cpu_moe.yaml", [f"model.path={good}"]]
+    six = [
+        "trainer.n_gpus_per_node=6",
+        "data.train_batch_size=6",
+        "actor.ppo_mini_batch_size=6",
+        "actor.ppo_micro_batch_size_per_gpu=4",
+    ]
+    msg = _error(base[0], [*base[1], *six, "actor.megatron.ep_size=3"])
+    assert msg.startswith("actor.megatron.ep_size (3) must divide the number of experts (4)"), msg
+    msg = _error(base[0], [*base[1], "actor.megatron.ep_size=4"])
+    assert "ep (4) must divide dp * cp (2)" in msg, msg
+    msg = _error(base[0], [f"model.path={bad}"])
+    assert msg.startswith("num_experts_per_tok (6) of the model must be between 1 and its number of experts (4)"), msg
+    msg = _error(QWEN3_30B, ["actor.megatron.sequence_parallel=false"])
+    assert "actor.megatron.sequence_parallel (false) must be true for an MoE model" in msg, msg
+    msg = _error("ppo_llama2_7b.yaml", ["actor.megatron.ep_size=2"])
+    assert "needs a mixture-of-experts model" in msg, msg
