@@ -447,6 +447,8 @@ CASES = [
     # what the FSDP backend cannot serve (hybridrl/config/checks_fsdp.py; its other rules: tests/fsdp)
     (TINY, ["critic.backend=fsdp", "critic.optim.backend=megatron"], "critic.optim.backend ('megatron') is "
      "Megatron's optimizer, and critic.backend is 'fsdp' (AdamW on the FSDP shards); set critic.optim.backend=auto"),
+    (TINY, ["trainer.launcher=ray", "trainer.save_freq=5"], "trainer.save_freq (5): Ray mode does not write "
+     "checkpoints yet; set trainer.save_freq=-1 or launch SPMD (trainer.launcher=spmd, under torchrun)"),
 ]  # fmt: skip
 
 
