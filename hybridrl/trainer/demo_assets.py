@@ -55,25 +55,29 @@ def _hf_config(cfg: RunConfig, vocab_size: int, tok):
 
 def warm_up(model, tok, rows, steps: int, seed: int, batch_size: int = 32, lr: float = 3e-3) -> list[float]:
     """Teacher-forced next-token training on prompt -> answer + EOS (loss on the answer tokens only)."""
-    g = torch.Generator().manual_seed(seed)
     examples = []
     for row in rows:
         prompt = tok.apply_chat_template(row["prompt"])
         answer = [*tok.encode(row["reward_model"]["ground_truth"]), tok.eos_token_id]
-        examples.append((prompt, answer))
-    width = max(len(p) + len(a) for p, a in examples)
+        examples.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+    return fit(model, examples, tok.pad_token_id, steps, seed, batch_size, lr)
+
+
+def fit(model, examples, pad_id: int, steps: int, seed: int, batch_size: int = 32, lr: float = 3e-3) -> list[float]:
+    """Teacher-forced next-token training on ``(ids, loss_mask)`` examples (loss where the mask is 1)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(len(ids) for ids, _ in examples)
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     model.train()
     for _ in range(steps):
         idx = torch.randint(0, len(examples), (batch_size,), generator=g).tolist()
-        ids = torch.full((batch_size, width), tok.pad_token_id, dtype=torch.long)
+        ids = torch.full((batch_size, width), pad_id, dtype=torch.long)
         labels = torch.full((batch_size, width), -100, dtype=torch.long)
         for i, j in enumerate(idx):
-            p, a = examples[j]
-            seq = p + a
+            seq, mask = examples[j]
             ids[i, : len(seq)] = torch.tensor(seq)
-            labels[i, len(p) : len(seq)] = torch.tensor(a)
+            labels[i, : len(seq)] = torch.where(torch.tensor(mask).bool(), torch.tensor(seq), -100)
         loss = model(input_ids=ids, labels=labels).loss
         optim.zero_grad()
         loss.backward()
@@ -93,12 +97,16 @@ DEFAULT_WARMUP_STEPS = 40
 def make_demo_assets(
     cfg: RunConfig, out_dir: str, warmup_steps: int | None = None, n_train: int = 512, n_val: int = 64
 ) -> DemoAssets:
-    """Write the demo task, tokenizer and warmed-up model under ``out_dir``; returns their paths.
+    """Write the demo task, tokenizer and warmed-up model under ``out_dir``; returns their paths. The task is
+    "copy the digits", or the calculator word problems when ``rollout.agent.env`` is "calculator".
 
-    ``warmup_steps`` None = ``$HYBRIDRL_DEMO_WARMUP_STEPS`` if set, else :data:`DEFAULT_WARMUP_STEPS`.
+    ``warmup_steps`` None = ``$HYBRIDRL_DEMO_WARMUP_STEPS`` if set, else :data:`DEFAULT_WARMUP_STEPS` (copy) or
+    :data:`AGENT_WARMUP_STEPS` (calculator).
     """
+    agent = cfg.rollout.agent.env == "calculator"
     if warmup_steps is None:
-        warmup_steps = int(os.environ.get(WARMUP_STEPS_ENV, DEFAULT_WARMUP_STEPS))
+        default = AGENT_WARMUP_STEPS if agent else DEFAULT_WARMUP_STEPS
+        warmup_steps = int(os.environ.get(WARMUP_STEPS_ENV, default))
     import transformers
 
     from hybridrl.data.files import write_rows
@@ -107,22 +115,98 @@ def make_demo_assets(
 
     os.makedirs(out_dir, exist_ok=True)
     seed = cfg.trainer.seed
-    train = make_demo_task(n_train, seed=seed, split="train")
-    val = make_demo_task(n_val, seed=seed + 1000, split="val")
+    make = _calculator_rows if agent else make_demo_task
+    train, val = make(n_train, seed=seed, split="train"), make(n_val, seed=seed + 1000, split="val")
     assets = DemoAssets(
         model_path=os.path.join(out_dir, "model"),
         tokenizer_path=os.path.join(out_dir, "tokenizer.model"),
         train_file=str(write_rows(train, os.path.join(out_dir, "train.parquet"))),
         val_file=str(write_rows(val, os.path.join(out_dir, "val.parquet"))),
     )
-    tok = train_sentencepiece(demo_texts(train + val), vocab_size=64, out_prefix=os.path.join(out_dir, "tokenizer"))
-    vocab = tok.vocab_size
+    prefix = os.path.join(out_dir, "tokenizer")
+    if agent:
+        tok = train_sentencepiece(agent_texts(train + val), vocab_size=AGENT_VOCAB, out_prefix=prefix,
+                                  extra_symbols=AGENT_SYMBOLS)  # fmt: skip
+    else:
+        tok = train_sentencepiece(demo_texts(train + val), vocab_size=64, out_prefix=prefix)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(_hf_config(cfg, vocab, tok)).float()
-    losses = warm_up(model, tok, train, warmup_steps, seed) if warmup_steps else []
+    model = transformers.LlamaForCausalLM(_hf_config(cfg, tok.vocab_size, tok)).float()
+    losses = []
+    if warmup_steps and agent:
+        losses = fit(model, agent_examples(tok, train, seed), tok.pad_token_id, warmup_steps, seed)
+    elif warmup_steps:
+        losses = warm_up(model, tok, train, warmup_steps, seed)
     model.save_pretrained(assets.model_path, safe_serialization=True)
     # the model folder carries its tokenizer, as a checkpoint folder does: `hybridrl export` copies it along
     shutil.copy(assets.tokenizer_path, os.path.join(assets.model_path, "tokenizer.model"))
     if losses:
         print(f"[demo] supervised warm-up: {warmup_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
     return assets
+
+
+# ---- the agent demo: calculator word problems ------------------------------------------------------------------
+AGENT_WARMUP_STEPS = 30
+"""Supervised warm-up batches of the calculator demo."""
+AGENT_VOCAB = 1024
+"""Largest sentencepiece vocabulary of the calculator demo (the tool schema's JSON becomes a few pieces)."""
+AGENT_SYMBOLS = ("<tool_call>", "</tool_call>", "<|tool|>")
+"""Single tokens of the demo tokenizer for hybridrl's default tool format (:mod:`hybridrl.rollout.agent.chat`)."""
+DIRECT_SHARE = 0.5
+"""Share of warm-up traces that answer at once, without the calculator (with the question's first number): the
+policy starts out calling the tool about half the time, and GRPO has to learn that calling it pays."""
+
+
+def _calculator_rows(n: int, seed: int, split: str) -> list[dict]:
+    from hybridrl.rollout.agent.envs.calculator import make_calculator_task
+
+    return make_calculator_task(n, seed=seed, split=split)
+
+
+def _calculator_tools() -> list[dict]:
+    from hybridrl.rollout.agent.envs.calculator import CalculatorEnvironment
+    from hybridrl.rollout.agent.interface import environment_tools
+
+    return [t.schema() for t in environment_tools(CalculatorEnvironment())]
+
+
+def _traces(row: dict, direct: bool) -> list[tuple[str, str | None]]:
+    from hybridrl.rollout.agent.envs.calculator import demo_turns
+
+    if direct:  # a lazy guess: the question's first number
+        return [(row["extra_info"]["expression"].split(next(c for c in "+-*" if c in row["extra_info"]["expression"]))[0],
+                 None)]  # fmt: skip
+    return demo_turns(row)
+
+
+def agent_texts(rows: list[dict]) -> list[str]:
+    """Sentences to train the calculator demo's tokenizer on: prompts rendered with the tool, turns, tool outputs."""
+    from hybridrl.data.tokenizers import render_default_chat
+    from hybridrl.rollout.agent.chat import with_tools_system
+
+    tools = _calculator_tools()
+    texts = [render_default_chat(with_tools_system(r["prompt"], tools)) for r in rows]
+    for r in rows:
+        texts += [part for turn in _traces(r, direct=False) for part in turn if part is not None]
+    return [*texts, "0123456789+-*/()"]
+
+
+def agent_examples(tok, rows: list[dict], seed: int) -> list[tuple[list[int], list[int]]]:
+    """Warm-up traces of the calculator demo, tokenized exactly as the agent loop builds trajectories: the prompt
+    with the tool, each turn + EOS (loss mask 1), the tool's output as the observation tokens (mask 0)."""
+    import random
+
+    from hybridrl.rollout.agent.chat import ChatFormat
+
+    chat, rng, eos = ChatFormat(tok, _calculator_tools()), random.Random(seed), tok.eos_token_id
+    examples = []
+    for row in rows:
+        ids = chat.prompt_ids(row["prompt"])
+        mask = [0] * len(ids)
+        for text, output in _traces(row, direct=rng.random() < DIRECT_SHARE):
+            turn = [*tok.encode(text), eos]
+            ids, mask = ids + turn, mask + [1] * len(turn)
+            if output is not None:
+                obs = chat.observation_ids([{"role": "tool", "name": "calculator", "content": output}], eos)
+                ids, mask = ids + obs, mask + [0] * len(obs)
+        examples.append((ids, mask))
+    return examples

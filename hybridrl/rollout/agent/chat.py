@@ -27,10 +27,9 @@ from typing import Any
 
 from hybridrl.rollout.agent.interface import AgentError, Message
 
-TOOLS_PROMPT = (
-    '# Tools\nCall a tool as <tool_call>{{"name": <tool>, "arguments": {{<args>}}}}</tool_call>. Tools:\n{tools}'
-)
-"""The system text listing the tools in hybridrl's default chat format (``{tools}``: one JSON schema per line)."""
+TOOLS_PROMPT = "# Tools\n{tools}\nCall one as <tool_call>{{\"name\":...,\"arguments\":{{...}}}}</tool_call>"
+"""The system text listing the tools in hybridrl's default chat format (``{tools}``: one compact JSON schema per
+line)."""
 _MARK = "hybridrl-assistant-content-3f7a"
 _USER = [{"role": "user", "content": "hybridrl-user-content"}]
 
@@ -53,7 +52,7 @@ def template_supports_tools(hf: Any) -> bool:
 
 def with_tools_system(messages: Sequence[Message], tools: Sequence[dict[str, Any]]) -> list[Message]:
     """``messages`` with :data:`TOOLS_PROMPT` as (the end of) the system message, for hybridrl's default format."""
-    block = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, separators=(", ", ": ")) for t in tools))
+    block = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, separators=(",", ":")) for t in tools))
     out = [dict(m) for m in messages]
     if out and out[0].get("role") == "system":
         out[0]["content"] = f"{out[0]['content']}\n\n{block}"

@@ -122,10 +122,10 @@ class CalculatorEnvironment(Environment):
 
     @tool
     def calculator(self, expression: str) -> str:
-        """Evaluate an arithmetic expression with numbers, + - * / and parentheses.
+        """Evaluate arithmetic: numbers, + - * / and parentheses.
 
         Args:
-            expression: the expression, e.g. "(12 + 30) * 2".
+            expression: e.g. "(12+30)*2"
         """
         return format_number(evaluate(expression))
 
