@@ -15,6 +15,7 @@ Everything is seeded from ``trainer.seed``; nothing is downloaded.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass
 
@@ -173,8 +174,7 @@ def _traces(row: dict, direct: bool) -> list[tuple[str, str | None]]:
     from hybridrl.rollout.agent.envs.calculator import demo_turns
 
     if direct:  # a lazy guess: the question's first number
-        return [(row["extra_info"]["expression"].split(next(c for c in "+-*" if c in row["extra_info"]["expression"]))[0],
-                 None)]  # fmt: skip
+        return [(re.match(r"\d+", row["extra_info"]["expression"]).group(0), None)]
     return demo_turns(row)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from hybridrl.rollout.agent.interface import AgentError, Message
 
-TOOLS_PROMPT = "# Tools\n{tools}\nCall one as <tool_call>{{\"name\":...,\"arguments\":{{...}}}}</tool_call>"
+TOOLS_PROMPT = '# Tools\n{tools}\nCall one as <tool_call>{{"name":...,"arguments":{{...}}}}</tool_call>'
 """The system text listing the tools in hybridrl's default chat format (``{tools}``: one compact JSON schema per
 line)."""
 _MARK = "hybridrl-assistant-content-3f7a"
