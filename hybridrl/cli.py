@@ -43,25 +43,15 @@ def _format_groups(groups: list[list[int]], limit: int = 4) -> str:
     return shown + (f" ... ({len(groups)} groups)" if len(groups) > limit else "")
 
 
-def layout_report(cfg, world_size: int) -> str:
-    """Per-role parallel layout lines for a validated config."""
-    from hybridrl.distributed.layout import ParallelLayout
-
-    lines = []
-    roles = [("actor", cfg.actor.megatron)]
-    if cfg.ref.enable:
-        roles.append(("ref", cfg.ref.megatron))
-    if cfg.critic.enable:
-        roles.append(("critic", cfg.critic.megatron))
-    for name, m in roles:
-        layout = ParallelLayout.from_world(world_size, tp=m.tp_size, pp=m.pp_size, cp=m.cp_size, vpp=m.vpp_size)
-        lines.append(f"{name:7s} {layout.describe()}")
-        for axis in ("tp", "pp", "dp"):
-            lines.append(f"        {axis} peers: {_format_groups(layout.groups(axis))}")
-    rtp = cfg.rollout.tp_size
-    engines = [list(range(i, i + rtp)) for i in range(0, world_size, rtp)]
-    lines.append(f"rollout {cfg.rollout.backend} tp={rtp} replicas={world_size // rtp}")
-    lines.append(f"        engines: {_format_groups(engines)}")
+def layout_report(layout, roles: list[str], backend: str = "vllm") -> str:
+    """The run's layout (:func:`hybridrl.config.layout.run_layout`): the training groups, shared by ``roles``,
+    and the generation groups (vLLM engines and the replica groups over which prompts are split)."""
+    lines = [f"train   {layout.describe()}, shared by {', '.join(roles)}"]
+    for axis in ("tp", "pp", "dp"):
+        lines.append(f"        {axis} peers: {_format_groups(layout.groups(axis))}")
+    lines.append(f"rollout {backend} tp={layout.rollout_tp} replicas={layout.rollout_replicas}")
+    lines.append(f"        engines: {_format_groups(layout.groups('rollout_tp'))}")
+    lines.append(f"        replica groups: {_format_groups(layout.groups('rollout_dp'))}")
     return "\n".join(lines)
 
 
@@ -92,7 +82,7 @@ def config_value(cfg, key: str) -> str:
 
 
 def cmd_validate_config(argv: list[str]) -> int:
-    from hybridrl.config import load_config, to_yaml, world_size_of
+    from hybridrl.config import load_config, run_layout, to_yaml, world_size_of
 
     parser = argparse.ArgumentParser(prog="hybridrl validate-config", description="Check and print a run config.")
     parser.add_argument("config", help="packaged config name (e.g. ppo_llama2_7b.yaml) or path")
@@ -129,13 +119,15 @@ def cmd_validate_config(argv: list[str]) -> int:
     else:
         notes = missing_data_files(cfg)
     world = args.world_size or world_size_of(cfg)
+    layout = run_layout(cfg, world)
     if not args.quiet:
         print(to_yaml(cfg))
     print(f"# world size {world} = {cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node} process(es)")
-    print(layout_report(cfg, world))
+    roles = ["actor"] + [name for name in ("ref", "critic") if getattr(cfg, name).enable]
+    print(layout_report(layout, roles, cfg.rollout.backend))
     from hybridrl.config.memory import report
 
-    print(report(cfg, device_gib=args.device_gib))
+    print(report(cfg, device_gib=args.device_gib, layout=layout))
     for line in notes:
         print(line)
     return 0

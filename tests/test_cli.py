@@ -1,4 +1,4 @@
-"""The command line: validate-config prints the resolved config and per-role layouts; errors are one line."""
+"""The command line: validate-config prints the resolved config and the run's layout; errors are one line."""
 
 from __future__ import annotations
 
@@ -15,19 +15,21 @@ def test_validate_config_layouts(capsys):
     assert main(["validate-config", "ppo_llama3_70b_multinode.yaml", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "# world size 32 = 4 node(s) x 8 process(es)" in out
-    assert "actor   tp=8 pp=4 dp=1 vpp=2 (world 32)" in out
+    assert "train   tp=8 pp=4 dp=1 vpp=2 (world 32), shared by actor, ref, critic" in out
     assert "pp peers: [0,8,16,24] [1,9,17,25]" in out
     assert "rollout vllm tp=8 replicas=4" in out
+    assert "engines: [0,1,2,3,4,5,6,7] [8,9,10,11,12,13,14,15]" in out
+    assert "replica groups: [0,8,16,24] [1,9,17,25]" in out
     # sbatch --nodes=8 (slurm_ppo.sh passes trainer.nnodes=8): no per-node list pinned to 4 nodes in the way
     assert main(["validate-config", "ppo_llama3_70b_multinode.yaml", "trainer.nnodes=8", "--quiet"]) == 0
-    assert "actor   tp=8 pp=4 dp=2 vpp=2 (world 64)" in capsys.readouterr().out
+    assert "train   tp=8 pp=4 dp=2 vpp=2 (world 64)" in capsys.readouterr().out
 
 
 def test_validate_config_resolves_and_overrides(capsys):
     assert main(["validate-config", "tiny_cpu.yaml", "actor.megatron.tp_size=1"]) == 0
     out = capsys.readouterr().out
     assert "tp_size: 1" in out and "dp_size: 2" in out  # resolved YAML shows the derived dp
-    assert "actor   tp=1 pp=1 dp=2 (world 2)" in out
+    assert "train   tp=1 pp=1 dp=2 (world 2)" in out
 
 
 def test_validate_config_warns_of_missing_data_files(capsys, tmp_path):

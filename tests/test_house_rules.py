@@ -2,6 +2,8 @@
 
 - ``megatron`` is imported only inside ``hybridrl/mcore/``, ``vllm`` only inside ``hybridrl/rollout/``;
 - torch and megatron are patched (attributes assigned, ``setattr``) only in ``hybridrl/mcore/cpu_compat.py``;
+- the rollout replica mapping (which ranks form a vLLM engine, each rank's replica) is spelled only in
+  ``hybridrl/distributed/layout.py``: no rank or world arithmetic with a rollout TP size anywhere else;
 - ruff is clean; no source file passes 600 lines;
 - the docs live in the repo: no file points at team notes outside it, and every repo path that docs/*.md
   (or the README) links to or names in backticks exists.
@@ -26,6 +28,13 @@ BOUNDARIES = {"megatron": PACKAGE / "mcore", "vllm": PACKAGE / "rollout"}
 # notes that lived outside the repo; spelled as a pattern so that this file does not match itself
 OUTSIDE_NOTES = re.compile(rb"\b(?:DESIGN|STACK|STYLE)\.md\b")
 REPO_DIRS = ("hybridrl", "tests", "launch", "configs", "csrc", "bench", "docs")
+LAYOUT_MODULE = PACKAGE / "distributed" / "layout.py"
+ROLLOUT_ARITHMETIC = re.compile(
+    r"\b(?:\w*rank\w*(?:\(\))?|r|world\w*(?:\(\))?)\s*(?:%|//)\s*\(?[\w.]*(?:rollout_tp|tensor_parallel_size|tp_size|rtp)\b"
+    r"|\brange\(\s*\w+\s*,\s*\w*world\w*(?:\(\))?\s*,"
+)
+"""``rank % rollout_tp``, ``dist.get_rank() // self.tensor_parallel_size``, ``world // rollout.tp_size``,
+``range(t, world, rollout_tp)``: the rollout mapping, which only :data:`LAYOUT_MODULE` may spell."""
 
 
 def _imports(tree: ast.AST, library: str) -> list[int]:
@@ -95,6 +104,32 @@ def test_patches_only_in_cpu_compat():
             continue
         bad += [f"{path.relative_to(ROOT)}:{n}" for n in _patches(ast.parse(path.read_text()))]
     assert not bad, f"torch/megatron patched outside {SHIM_MODULE.relative_to(ROOT)}: {bad}"
+
+
+def _rollout_arithmetic(text: str) -> list[int]:
+    return [n for n, line in enumerate(text.splitlines(), start=1) if ROLLOUT_ARITHMETIC.search(line)]
+
+
+def test_rollout_mapping_only_in_the_layout():
+    bad = []
+    for path in _sources():
+        if path != LAYOUT_MODULE:
+            bad += [f"{path.relative_to(ROOT)}:{n}" for n in _rollout_arithmetic(path.read_text())]
+    assert not bad, f"rollout rank arithmetic outside {LAYOUT_MODULE.relative_to(ROOT)} (ask the layout): {bad}"
+    assert _rollout_arithmetic(LAYOUT_MODULE.read_text()), "the layout module must be seen spelling the mapping"
+
+
+def test_rollout_arithmetic_checker_can_fail():
+    snippet = (
+        "plan.for_rank(pp, tp, self.rank % rollout_tp)\n"
+        "replica = dist.get_rank() // self.tensor_parallel_size if dist.is_initialized() else 0\n"
+        "replicas = world // cfg.rollout.tp_size\n"
+        "groups = [dist.new_group(list(range(t, world, rollout_tp))) for t in range(rollout_tp)]\n"
+        "roles = {(c.pp, c.tp, r % self.rollout_tp) for r in range(n)}\n"
+        "if heads % rtp: fail()\n"
+        "kv_first = rank // (tp // kv)\n"
+    )
+    assert _rollout_arithmetic(snippet) == [1, 2, 3, 4, 5]
 
 
 def test_checkers_can_fail():

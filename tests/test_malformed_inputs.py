@@ -267,7 +267,7 @@ CASES = [
           _config("trainer: {n_gpus_per_node: 6}\nactor: {megatron: {tp_size: 4}}\n"), ConfigError,
           "actor.megatron: world_size(6) is not divisible by tp(4)", "choose sizes whose product divides"),
     _case("config-rollout-tp-not-dividing-world", _config("trainer: {n_gpus_per_node: 4}\nrollout: {tp_size: 3}\n"),
-          ConfigError, "rollout.tp_size (3) must divide the world size (4)"),
+          ConfigError, "rollout.tp_size: rollout_tp (3) must divide world_size (4)"),
     _case("config-bad-weight-sync", _config("rollout: {weight_sync: shard}\n"), ConfigError,
           "rollout.weight_sync ('shard') must be one of 'shards', 'hf'", "did you mean 'shards'?"),
     _case("config-zero-sync-bucket", _config("rollout: {sync_bucket_mb: 0}\n"), ConfigError,

@@ -1,4 +1,5 @@
-"""Advantage estimators: the registry ``ADV_ESTIMATORS`` and its entries (gae, grpo, rloo, reinforce++, remax).
+"""Advantage estimators: the registry ``ADV_ESTIMATORS`` and its entries (gae, grpo, rloo, reinforce++, remax;
+gpg and pass@k live in :mod:`hybridrl.algos.group_estimators`).
 
 Every estimator is a pure function on masked ``(batch, response_len)`` tensors that returns
 ``(advantages, returns)``, both ``(b, r)`` and zero on padding. Each one asks, by its parameter names, for
@@ -35,6 +36,8 @@ ADV_INPUTS = {
     "gamma": "algorithm.gamma",
     "lam": "algorithm.lam",
     "norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std_in_grpo",
+    "pass_k": "algorithm.pass_k",
+    "pass_threshold": "algorithm.pass_threshold",
     "epsilon": "a small constant (the estimator's default)",
     "whiten": "whiten the advantages (the estimator's default)",
 }

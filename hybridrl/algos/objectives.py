@@ -1,10 +1,14 @@
 """What the actor and the critic minimise, composed from the registries (one small callable each).
 
-    actor:   l_it = pg_it - entropy_coeff * H_it + kl_loss_coef * KL_it      (the KL term with actor.use_kl_loss)
+    actor:   l_it = w_it * pg_it - entropy_coeff * H_it + kl_loss_coef * KL_it
     critic:  l_it = value_loss_it
 
 ``pg`` is the policy loss ``actor.policy_loss.loss_mode`` of :data:`~hybridrl.algos.losses.POLICY_LOSSES`, or a
-user's function from the file ``actor.policy_loss.path`` (loss_mode "custom"); ``H`` the entropy bonus
+user's function from the file ``actor.policy_loss.path`` (loss_mode "custom"), called with the options it names
+(the clip ratios, the aggregation mode, the Clip-Cov / KL-Cov knobs of ``actor.policy_loss``; a function taking
+``**options`` gets the first five); ``w`` the rollout correction's truncated importance weights
+(``algorithm.rollout_correction.rollout_is``, :mod:`~hybridrl.algos.rollout_correction`; 1 without); ``H`` the
+entropy bonus
 (:func:`~hybridrl.algos.losses.entropy_bonus`); ``KL`` the estimator ``actor.kl_loss_type`` as a loss
 (:func:`~hybridrl.algos.kl.kl_loss`); the value loss is :func:`~hybridrl.algos.losses.value_loss`. Each callable
 maps ``(outputs, batch)`` (the model head's ``(b, r)`` tensors and the micro-batch) to the per-token loss
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +30,7 @@ import torch
 
 from hybridrl.algos.kl import kl_loss
 from hybridrl.algos.losses import POLICY_LOSSES, LossOutput, PolicyLossFn, entropy_bonus, value_loss
+from hybridrl.config.schema import RolloutCorrectionConfig
 from hybridrl.config.schema_roles import CUSTOM_POLICY_LOSS, ActorConfig, CriticConfig, PolicyLossConfig
 
 Tensors = Mapping[str, torch.Tensor]
@@ -63,23 +69,39 @@ def load_policy_loss(cfg: PolicyLossConfig) -> PolicyLossFn:
     return fn
 
 
+def policy_options(fn: PolicyLossFn, cfg: ActorConfig) -> dict[str, Any]:
+    """The keyword options of ``fn`` from the actor's section: those it names as parameters; a function that takes
+    ``**options`` also gets the five every loss shares (clip ratios, aggregation mode, its constant)."""
+    p = cfg.policy_loss
+    shared = dict(clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+                  loss_agg_mode=cfg.loss_agg_mode, loss_scale_factor=cfg.loss_scale_factor)  # fmt: skip
+    specific = dict(clip_cov_ratio=p.clip_cov_ratio, clip_cov_lb=p.clip_cov_lb, clip_cov_ub=p.clip_cov_ub,
+                    kl_cov_ratio=p.kl_cov_ratio, ppo_kl_coef=p.ppo_kl_coef)  # fmt: skip
+    params = inspect.signature(fn).parameters
+    named = {k: v for k, v in {**shared, **specific}.items() if k in params}
+    if any(q.kind is inspect.Parameter.VAR_KEYWORD for q in params.values()):
+        named = {**shared, **named}
+    return {**named, "per_token": True}
+
+
 class ActorLoss:
-    """``l = pg - entropy_coeff * H (+ kl_loss_coef * KL)`` per token, from the actor's config section.
+    """``l = w * pg - entropy_coeff * H (+ kl_loss_coef * KL)`` per token, from the actor's config section.
 
     Args:
         cfg: the ``actor`` section (policy loss, clip ratios, entropy and KL coefficients).
+        rollout_correction: ``algorithm.rollout_correction``; with its ``rollout_is`` set, the policy term is
+            weighted by the batch's ``rollout_is_weights`` (the loop computes them). None = no weights.
     """
 
-    def __init__(self, cfg: ActorConfig) -> None:
+    def __init__(self, cfg: ActorConfig, rollout_correction: RolloutCorrectionConfig | None = None) -> None:
         self.policy = load_policy_loss(cfg.policy_loss)
         self.custom = cfg.policy_loss.loss_mode == CUSTOM_POLICY_LOSS
-        self.options: dict[str, Any] = dict(
-            clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-            loss_agg_mode=cfg.loss_agg_mode, loss_scale_factor=cfg.loss_scale_factor, per_token=True,
-        )  # fmt: skip
+        self.options = policy_options(self.policy, cfg)
         self.entropy_coeff = cfg.entropy_coeff
         self.kl = (cfg.kl_loss_type, cfg.kl_loss_coef) if cfg.use_kl_loss else None
-        self.inputs = ("old_log_probs", "advantages", *(("ref_log_probs",) if self.kl else ()))
+        self.weighted = rollout_correction is not None and rollout_correction.rollout_is is not None
+        self.inputs = ("old_log_probs", "advantages", *(("ref_log_probs",) if self.kl else ()),
+                       *(("rollout_is_weights",) if self.weighted else ()))  # fmt: skip
         """The batch keys it reads besides ``response_mask``."""
 
     def __call__(self, outputs: Tensors, batch: Tensors) -> LossOutput:
@@ -90,6 +112,8 @@ class ActorLoss:
         if self.custom:
             _check_custom(out, mask)
         pg, metrics = out
+        if self.weighted:
+            pg = pg * batch["rollout_is_weights"].to(pg.dtype)
         ent, ent_metrics = entropy_bonus(outputs["entropy"], mask, per_token=True)
         loss = pg - self.entropy_coeff * ent
         metrics = {**metrics, **ent_metrics}

@@ -7,12 +7,15 @@
 - :mod:`~hybridrl.config.schema` / :mod:`~hybridrl.config.schema_roles`: the dataclasses (one docstring
   per field);
 - :mod:`~hybridrl.config.loader`: finding, merging (OmegaConf), key and type errors, :func:`to_yaml`;
-- :mod:`~hybridrl.config.checks`: derived fields and cross-field checks (layout, batch sizes, roles).
+- :mod:`~hybridrl.config.checks`: derived fields and cross-field checks (batch sizes, roles, ...);
+- :mod:`~hybridrl.config.layout`: :func:`run_layout`, the run's :class:`~hybridrl.distributed.ParallelLayout`
+  (training and generation groups) from ``actor.megatron``'s layout keys and ``rollout.tp_size``, and its checks.
 
 Every failure is a :class:`ConfigError` (a ``ValueError``) with one line naming the key, value and fix.
 """
 
-from hybridrl.config.checks import fill_derived, validate, world_size_of
+from hybridrl.config.checks import fill_derived, validate
+from hybridrl.config.layout import run_layout, world_size_of
 from hybridrl.config.loader import ALIASES, available_configs, compose_config, find_config, load_config, to_yaml
 from hybridrl.config.schema import (
     AlgorithmConfig,
@@ -32,6 +35,8 @@ from hybridrl.config.schema_roles import (
     ActorConfig,
     CriticConfig,
     MegatronConfig,
+    MegatronLayoutConfig,
+    MegatronOptionsConfig,
     OptimConfig,
     RefConfig,
     RolloutConfig,
@@ -49,6 +54,8 @@ __all__ = [
     "DataConfig",
     "KLControlConfig",
     "MegatronConfig",
+    "MegatronLayoutConfig",
+    "MegatronOptionsConfig",
     "ModelConfig",
     "OptimConfig",
     "RefConfig",
@@ -64,6 +71,7 @@ __all__ = [
     "fill_derived",
     "find_config",
     "load_config",
+    "run_layout",
     "to_yaml",
     "validate",
     "world_size_of",

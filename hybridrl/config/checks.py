@@ -3,8 +3,9 @@ run before any model is built (:func:`validate`).
 
 Each check is a small function ``check_x(cfg, world_size)`` listed in :data:`CHECKS` and run in order on
 a filled-in copy of the config; the first failure raises a one-line :class:`ConfigError` in the form
-``rollout.tp_size (3) must divide the world size (8); <fix>``. Parallel-layout rules come from
-:class:`hybridrl.distributed.layout.ParallelLayout` and are re-raised prefixed with the config key.
+``rollout.tp_size (3) must divide the world size (8); <fix>``. The layout checks live with the run's layout in
+:mod:`hybridrl.config.layout` (its rules come from :class:`hybridrl.distributed.layout.ParallelLayout`, re-raised
+prefixed with the config key).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 from hybridrl.config.checks_agent import agent_enabled, check_agent
 from hybridrl.config.checks_model import check_against_checkpoint, check_architecture
 from hybridrl.config.checks_values import check_finite
+from hybridrl.config.checks_variants import check_loop_features, check_loss_variants, fill_variants
+from hybridrl.config.layout import check_layouts, derived_dp, options_of, run_layout, world_size_of
 from hybridrl.config.schema import (
     ADV_ESTIMATORS,
     CRITIC_ESTIMATORS,
@@ -44,12 +47,9 @@ from hybridrl.config.schema_roles import (
     ROLLOUT_BACKENDS,
     TRAIN_BACKENDS,
     WEIGHT_SYNCS,
-    MegatronConfig,
 )
-from hybridrl.distributed.layout import LayoutError, ParallelLayout
 
 ROLES = ("actor", "ref", "critic")
-LAYOUT_FIELDS = ("tp_size", "pp_size", "cp_size", "ep_size", "vpp_size", "dp_size")
 
 
 def _get(cfg: RunConfig, key: str) -> Any:
@@ -66,22 +66,7 @@ def _fail(message: str, key: str) -> None:
     raise ConfigError(message, key=key)
 
 
-def world_size_of(cfg: RunConfig, world_size: int | None = None) -> int:
-    """The launch's world size, or ``trainer.nnodes * trainer.n_gpus_per_node``."""
-    return world_size if world_size is not None else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-
-
-def _enabled_roles(cfg: RunConfig) -> list[str]:
-    return ["actor"] + [r for r in ("ref", "critic") if getattr(cfg, r).enable]
-
-
 # ---- derived fields ---------------------------------------------------------------------------------
-def _derive_dp(m: MegatronConfig, world: int) -> None:
-    model_parallel = m.tp_size * m.pp_size * m.cp_size
-    if m.dp_size is None and model_parallel > 0 and world > 0 and world % model_parallel == 0:
-        m.dp_size = world // model_parallel
-
-
 def _expand_user_paths(cfg: RunConfig) -> None:
     """``~/...`` in every path field becomes the home folder (the packaged configs use ~/data/...)."""
 
@@ -110,11 +95,11 @@ def fill_derived(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
         actor.model_name = model.path or f"{model.architecture.model_type or 'model'}-scratch"
     if model.tokenizer_path is None:
         model.tokenizer_path = model.path
-    _derive_dp(actor.megatron, world)
+    if actor.megatron.dp_size is None:
+        actor.megatron.dp_size = derived_dp(actor.megatron, world)
     for role in (ref, critic):
         if role.megatron is None:
-            role.megatron = copy.deepcopy(actor.megatron)
-        _derive_dp(role.megatron, world)
+            role.megatron = options_of(actor.megatron)
     if critic.enable is None:
         critic.enable = cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
     if ref.enable is None:
@@ -140,6 +125,7 @@ def fill_derived(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
         cfg.trainer.default_local_dir = f"checkpoints/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
     if cfg.resources.process_on_nodes is None:
         cfg.resources.process_on_nodes = [cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes
+    fill_variants(cfg)
     return cfg
 
 
@@ -271,6 +257,7 @@ def check_policy_loss(cfg: RunConfig, world: int) -> None:
         _fail(f"{key} ({_get(cfg, key)}) must be positive for algorithm.kl_ctrl.type 'adaptive'", key)
     _in_range("algorithm.gamma", cfg.algorithm.gamma, 0.0, 1.0, low_open=False, high_open=False)
     _in_range("algorithm.lam", cfg.algorithm.lam, 0.0, 1.0, low_open=False, high_open=False)
+    check_loss_variants(cfg)
 
 
 VLLM_MIN_TEMPERATURE = 0.01
@@ -386,42 +373,8 @@ def check_world(cfg: RunConfig, world: int) -> None:
         )
 
 
-def _layout(key: str, m: MegatronConfig, world: int) -> ParallelLayout:
-    try:
-        return ParallelLayout.from_world(
-            world, tp=m.tp_size, pp=m.pp_size, cp=m.cp_size, ep=m.ep_size, vpp=m.vpp_size, dp=m.dp_size
-        )
-    except LayoutError as exc:
-        raise ConfigError(f"{key}: {exc}", key=key) from None
-
-
-def check_layouts(cfg: RunConfig, world: int) -> None:
-    """The actor's Megatron layout fits the world; other roles share it; memory options are consistent."""
-    _layout("actor.megatron", cfg.actor.megatron, world)
-    t = cfg.trainer
-    for key, tp in (("actor.megatron.tp_size", cfg.actor.megatron.tp_size), ("rollout.tp_size", cfg.rollout.tp_size)):
-        if t.nnodes > 1 and t.n_gpus_per_node % tp:  # TP groups are consecutive ranks: keep them on one node
-            _fail(f"{key} ({tp}) must divide trainer.n_gpus_per_node ({t.n_gpus_per_node}): a tensor-parallel group "
-                  f"must not span nodes; lower {key}", key)  # fmt: skip
-    for role in _enabled_roles(cfg):
-        m, key = getattr(cfg, role).megatron, f"{role}.megatron"
-        for name in LAYOUT_FIELDS:
-            mine, actors = getattr(m, name), getattr(cfg.actor.megatron, name)
-            if mine != actors:
-                _fail(
-                    f"{key}.{name} ({mine}) must equal actor.megatron.{name} ({actors}): all roles share the "
-                    f"actor's process groups; remove {key}.{name}",
-                    f"{key}.{name}",
-                )
-        _check_megatron_options(key, m)
-        seq = cfg.data.max_prompt_length + cfg.data.max_response_length  # every batch's width (prompts left-padded)
-        if m.sequence_parallel and seq % m.tp_size:
-            _fail(
-                f"{key}.sequence_parallel (true) splits each sequence over tp_size ({m.tp_size}), and "
-                f"data.max_prompt_length + data.max_response_length = {seq} is not divisible by it; change "
-                "data.max_prompt_length",
-                "data.max_prompt_length",
-            )
+def check_optim_backend(cfg: RunConfig, world: int) -> None:
+    """The "torch" optimizer path steps fp32 parameters only."""
     for role in ("actor", "critic") if cfg.critic.enable else ("actor",):
         o = getattr(cfg, role).optim
         if o.backend == "torch" and cfg.model.dtype != "float32":
@@ -433,42 +386,6 @@ def check_layouts(cfg: RunConfig, world: int) -> None:
             )
 
 
-def _check_megatron_options(key: str, m: MegatronConfig) -> None:
-    for name, what in (("cp_size", "context parallelism"), ("ep_size", "expert parallelism (MoE)")):
-        if getattr(m, name) != 1:
-            _fail(f"{key}.{name} ({getattr(m, name)}) must be 1: {what} is not supported yet (dense Llama/Qwen "
-                  f"models only); set {key}.{name}=1", f"{key}.{name}")  # fmt: skip
-    if m.sequence_parallel and m.tp_size == 1:
-        _fail(
-            f"{key}.sequence_parallel (true) needs tp_size > 1 (got 1); set {key}.sequence_parallel=false",
-            f"{key}.sequence_parallel",
-        )
-    full = m.recompute_granularity == "full"
-    if full and (m.recompute_method is None or m.recompute_num_layers is None):
-        _fail(
-            f"{key}.recompute_granularity ('full') needs recompute_method and recompute_num_layers "
-            f"(got {_show(m.recompute_method)}, {_show(m.recompute_num_layers)}); e.g. uniform and 1",
-            f"{key}.recompute_method",
-        )
-    if not full and (m.recompute_method is not None or m.recompute_num_layers is not None):
-        _fail(
-            f"{key}.recompute_method ({_show(m.recompute_method)}) / recompute_num_layers "
-            f"({_show(m.recompute_num_layers)}) need recompute_granularity 'full' "
-            f"(got {_show(m.recompute_granularity)}); set them to null",
-            f"{key}.recompute_method",
-        )
-    if m.recompute_num_layers is not None and m.recompute_num_layers < 1:
-        _fail(f"{key}.recompute_num_layers ({m.recompute_num_layers}) must be positive", key)
-
-
-def check_rollout_layout(cfg: RunConfig, world: int) -> None:
-    """vLLM engines tile the world. Their TP may be smaller or larger than training's: the hybrid engine
-    regroups shards either way, so only the head counts (check_architecture) constrain it further."""
-    rtp = cfg.rollout.tp_size
-    if world % rtp:
-        _fail(f"rollout.tp_size ({rtp}) must divide the world size ({world})", "rollout.tp_size")
-
-
 def check_batch_sizes(cfg: RunConfig, world: int) -> None:
     """Responses per step split evenly over DP ranks, rollout replicas and mini-batches."""
     n, prompts, dp = cfg.rollout.n, cfg.data.train_batch_size, cfg.actor.megatron.dp_size
@@ -477,7 +394,7 @@ def check_batch_sizes(cfg: RunConfig, world: int) -> None:
     if total % dp:
         _fail(f"{step} must be divisible by actor.megatron.dp_size ({dp}); change data.train_batch_size",
               "data.train_batch_size")  # fmt: skip
-    replicas = world // cfg.rollout.tp_size
+    replicas = run_layout(cfg, world).rollout_replicas
     if prompts % replicas:  # prompts, not responses, are split over the engines (each samples n per prompt)
         _fail(
             f"data.train_batch_size ({prompts}) must be divisible by the rollout replicas (world_size {world} / "
@@ -515,6 +432,16 @@ def check_batch_sizes(cfg: RunConfig, world: int) -> None:
             )
 
 
+def optimizer_steps(cfg: RunConfig, role: str) -> int:
+    """Optimizer updates of ``role`` ("actor" / "critic", of a filled-in config with ``trainer.total_steps`` known)
+    over the run: every trainer step makes (data.train_batch_size / ppo_mini_batch_size) mini-batch updates per PPO
+    epoch, both counted in prompts. The LR schedule advances once per update, so its length (and a warmup ratio)
+    is counted in these."""
+    c = getattr(cfg, role)
+    per_step = cfg.data.train_batch_size // c.ppo_mini_batch_size * c.ppo_epochs
+    return cfg.trainer.total_steps * max(per_step, 1)
+
+
 def update_schedule(cfg: RunConfig, role: str) -> str:
     """One line on how ``role`` (actor / critic, of a filled-in config) updates per rollout: the optimizer steps
     and the units of its batch sizes (mini-batches in prompts, micro-batches in responses)."""
@@ -545,6 +472,7 @@ def check_algorithm_roles(cfg: RunConfig, world: int) -> None:
     for key in ("actor.use_kl_loss", "algorithm.use_kl_in_reward"):
         if _get(cfg, key) and not cfg.ref.enable:
             _fail(f"ref.enable (false) must be true when {key} is true; set ref.enable=null", "ref.enable")
+    check_loop_features(cfg)
 
 
 CHECKS: tuple[Callable[[RunConfig, int], None], ...] = (
@@ -557,7 +485,7 @@ CHECKS: tuple[Callable[[RunConfig, int], None], ...] = (
     check_sources,
     check_world,
     check_layouts,
-    check_rollout_layout,
+    check_optim_backend,
     check_batch_sizes,
     check_algorithm_roles,
     check_architecture,

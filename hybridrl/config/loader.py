@@ -5,8 +5,11 @@ dataclass defaults with OmegaConf, and turning every OmegaConf/YAML failure into
 Merge order: dataclass defaults < YAML file < overrides (left to right). Each layer is checked against
 the schema first, so an unknown key fails with its full dotted path and the closest valid name. Then:
 
-- ``ref.megatron`` / ``critic.megatron`` start from ``actor.megatron``: keys given there override the
-  actor's (after all layers, so ``actor.megatron.tp_size=4`` on the command line reaches every role);
+- ``ref.megatron`` / ``critic.megatron`` (per-role options) start from ``actor.megatron``'s options: keys given
+  there override the actor's (after all layers, so ``actor.megatron.recompute_granularity=full`` on the command line
+  reaches every role). The layout keys (tp/pp/dp/vpp/cp/ep sizes) are ``actor.megatron``'s alone; under a role
+  they still load when they equal the actor's (ignored, with a one-line note: :func:`_moved_layout_keys`) and
+  fail when they differ;
 - :data:`ALIASES` map keys users know from elsewhere onto their one home (``actor_rollout.backend`` is
   ``rollout.backend``); :func:`to_yaml` writes only the home keys.
 """
@@ -19,6 +22,7 @@ import difflib
 import functools
 import os
 import re
+import sys
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hybridrl.config.checks import fill_derived, validate
+from hybridrl.config.layout import LAYOUT_KEYS, derived_dp, moved_key_message, options_of, world_size_of
 from hybridrl.config.schema import ConfigError, RunConfig
 
 CONFIG_DIR_ENV = "HYBRIDRL_CONFIG_DIR"
@@ -321,9 +326,47 @@ def _translate(exc: OmegaConfBaseException, data: Any, source: str) -> ConfigErr
     return ConfigError(f"{key} ({_show(value)}) must be {expected}{hint}{source}", key=key)
 
 
+# ---- layout keys under a role -------------------------------------------------------------------------
+MOVED_ROLES = ("ref", "critic")
+
+
+def _pop_role_layout_keys(data: dict, source: str, moved: dict) -> None:
+    """Take the layout keys out of ``ref.megatron`` / ``critic.megatron`` (their schema holds options only) into
+    ``moved``: ``(role, key) -> (value, source)``, a later layer replacing an earlier one."""
+    for role in MOVED_ROLES:
+        section = data.get(role)
+        megatron = section.get("megatron") if isinstance(section, dict) else None
+        if not isinstance(megatron, dict):
+            continue
+        for key in LAYOUT_KEYS:
+            if key in megatron:
+                moved[(role, key)] = (megatron.pop(key), source)
+
+
+def _moved_layout_keys(cfg: RunConfig, moved: dict, world_size: int | None) -> None:
+    """Each layout key given under a role: a one-line note when it equals the actor's (it is ignored), a
+    :class:`ConfigError` naming both values when it differs."""
+    m = cfg.actor.megatron
+    for (role, key), (value, source) in moved.items():
+        actors = getattr(m, key)
+        if key == "dp_size" and actors is None:  # derived later; compare with what it will be
+            actors = derived_dp(m, world_size_of(cfg, world_size))
+        if isinstance(value, str) and value.startswith("${"):
+            value = actors  # an interpolation (of the actor's key, as users write it): nothing to compare
+        failed, line = moved_key_message(role, key, value, actors, source)
+        if failed:
+            raise ConfigError(line, key=f"{role}.megatron.{key}")
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # once per job
+            print(f"[hybridrl] {line}", file=sys.stderr, flush=True)
+
+
 # ---- public API -------------------------------------------------------------------------------------
-def compose_config(name_or_path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Dataclass defaults < YAML < overrides, typed and key-checked, with nothing derived or validated.
+def compose_config(
+    name_or_path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = (), world_size: int | None = None
+) -> RunConfig:
+    """Dataclass defaults < YAML < overrides, typed and key-checked, with nothing derived or validated but the
+    layout keys written under ``ref.megatron`` / ``critic.megatron`` (compared with the actor's; a ``dp_size`` there
+    with the actor's derived, over ``world_size``, default the config's nodes x processes).
 
     Use :func:`load_config` to run; this is for tools that want the config exactly as written.
     """
@@ -337,8 +380,10 @@ def compose_config(name_or_path: str | os.PathLike[str] | None = None, overrides
 
     merged = OmegaConf.structured(RunConfig)
     given: dict = {}
+    moved: dict = {}
     for source, data in layers:
         data = _apply_aliases(data, source)
+        _pop_role_layout_keys(data, source, moved)
         _check_keys(data, RunConfig, "", source)
         try:
             merged = OmegaConf.merge(merged, data)
@@ -346,13 +391,17 @@ def compose_config(name_or_path: str | os.PathLike[str] | None = None, overrides
             raise _translate(exc, data, source) from None
         _deep_update(given, data)
     try:
-        for role in ("ref", "critic"):  # role layouts start from the actor's
-            role_megatron = given.get(role, {}).get("megatron") if isinstance(given.get(role), dict) else None
-            if isinstance(role_megatron, dict):
-                merged[role].megatron = OmegaConf.merge(merged.actor.megatron, role_megatron)
-        return OmegaConf.to_object(merged)
+        cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _translate(exc, given, "") from None
+    for role in MOVED_ROLES:  # a role's options start from the actor's; the keys it gives override them
+        written = given.get(role, {}).get("megatron") if isinstance(given.get(role), dict) else None
+        section = getattr(cfg, role)
+        if isinstance(written, dict) and section.megatron is not None:
+            ours = {k: getattr(section.megatron, k) for k in written}
+            section.megatron = dataclasses.replace(options_of(cfg.actor.megatron), **ours)
+    _moved_layout_keys(cfg, moved, world_size)
+    return cfg
 
 
 def load_config(
@@ -375,7 +424,7 @@ def load_config(
     Raises:
         ConfigError: one line naming the key, the value and the fix.
     """
-    cfg = compose_config(name_or_path, overrides)
+    cfg = compose_config(name_or_path, overrides, world_size)
     fill_derived(cfg, world_size)
     validate(cfg, world_size)
     return cfg

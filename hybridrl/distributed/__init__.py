@@ -1,7 +1,9 @@
-"""Process launch (torchrun / Slurm), parallel layout math, and Megatron parallel-state setup.
+"""Process launch (torchrun / Slurm), the run's parallel layout (training and generation groups), and Megatron
+parallel-state setup.
 
 This package itself never imports Megatron: :func:`init_model_parallel` hands the layout to
-``hybridrl.mcore.parallel_state``, the only place that does (together with the CPU shims it applies).
+``hybridrl.mcore.parallel_state``, the only place that does (together with the CPU shims it applies), which builds
+the training groups and the rollout replica groups from it.
 The launch helpers (which import torch) load on first use, so config validation stays torch-free.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from hybridrl.distributed.layout import LayoutError, ParallelLayout, RankCoords
+from hybridrl.distributed.layout import LayoutError, ParallelLayout, RankCoords, RolloutCoords
 
 if TYPE_CHECKING:
     from hybridrl.distributed.env import (
@@ -35,8 +37,9 @@ def __getattr__(name: str) -> Any:
 
 
 def init_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: float | None = None) -> None:
-    """Initialise Megatron's process groups (and, without CUDA, the CPU shims) from ``layout``; their collectives
-    wait ``timeout_s`` (default: the default group's, ``trainer.collective_timeout_s`` in a run)."""
+    """Initialise Megatron's process groups, the rollout replica groups (and, without CUDA, the CPU shims) from
+    ``layout``; their collectives wait ``timeout_s`` (default: the default group's, ``trainer.collective_timeout_s``
+    in a run)."""
     from hybridrl.distributed.env import collective_timeout_s
     from hybridrl.mcore.parallel_state import initialize
 
@@ -49,6 +52,7 @@ __all__ = [
     "ParallelLayout",
     "ProcessEnv",
     "RankCoords",
+    "RolloutCoords",
     "apply_collective_timeout",
     "collective_timeout_s",
     "default_backend",

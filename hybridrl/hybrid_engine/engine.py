@@ -8,7 +8,7 @@ those tensors themselves (``hybridrl.ops.block_scatter``: no staging buffer at a
 agree are views of the training parameters (no copy, no buffer). Collective: every rank of the world calls
 :meth:`HybridEngine.to_rollout`.
 
-    engine = HybridEngine.from_role(actor, rollout_tp=1, bucket_bytes=64 << 20)
+    engine = HybridEngine.from_role(actor, layout, bucket_bytes=64 << 20)   # layout: the run's ParallelLayout
     weights = engine.to_rollout()          # {vLLM name: tensor} of this rank's rollout TP rank
     llm_model.load_weights(weights.items())
     engine.to_rollout(into=params)         # or: write into {vLLM name: vLLM's parameter} in place
@@ -64,14 +64,15 @@ class HybridEngine:
     Args:
         chunks: this rank's model chunks (on the initialised Megatron parallel state).
         shape: the model (as built for training: ``padded_vocab_size`` for the training TP).
-        train_layout: the training layout; None = read from the parallel state (a given one must match it).
-        rollout_tp: vLLM's tensor-parallel size; rollout TP groups are consecutive global ranks.
+        layout: the run's layout: the training groups the chunks live on (checked against the parallel state)
+            and the generation groups to reshard into (``layout.rollout_tp``; ``layout.with_rollout_tp(1)`` for
+            whole HF-layout tensors on every rank).
         bucket_bytes: memory of the transport: all gathered bucket buffers together (both when ``overlap``);
             the switch's peak extra memory beyond the destination. Must hold the largest shard that moves
             x training TP x buffers.
         family: HF ``model_type`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``).
         dtype: rollout dtype; None = the parameters'. Another dtype casts while packing and disables sharing.
-        pad_vocab: vLLM-padded vocab rows; None = only at ``rollout_tp > 1`` (TP 1 gives HF's ``[vocab, h]``).
+        pad_vocab: vLLM-padded vocab rows; None = only at ``layout.rollout_tp > 1`` (TP 1 gives HF's ``[vocab, h]``).
         overlap: double-buffer buckets (all_gather of bucket k+1 while copying bucket k).
     """
 
@@ -79,16 +80,14 @@ class HybridEngine:
         self,
         chunks: list[torch.nn.Module],
         shape: Any,
-        train_layout: ParallelLayout | None = None,
-        rollout_tp: int = 1,
+        layout: ParallelLayout,
         bucket_bytes: int = 256 * 2**20,
         family: str = "llama",
         dtype: torch.dtype | None = None,
         pad_vocab: bool | None = None,
         overlap: bool = True,
     ) -> None:
-        src = training_source(chunks)
-        _check_layout(train_layout, src.layout)
+        src = training_source(chunks, layout)
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise PlanError(f"hybrid_engine.bucket_bytes ({bucket_bytes!r}) must be a positive integer")
         dtypes = {p.dtype for p in src.params.values()}
@@ -97,8 +96,7 @@ class HybridEngine:
         self.rank = dist.get_rank()
         self.plan = ReshardPlan(
             shape,
-            src.layout,
-            rollout_tp,
+            layout,
             family=family,
             bucket_bytes=bucket_bytes,
             element_size=torch.empty(0, dtype=self.dtype).element_size(),
@@ -108,7 +106,7 @@ class HybridEngine:
             slots=2 if overlap else 1,
         )
         self._check_params()
-        self.rank_plan = self.plan.for_rank(src.pp_rank, src.tp_rank, self.rank % rollout_tp)
+        self.rank_plan = self.plan.for_rank(src.pp_rank, src.tp_rank, layout.rollout_coords(self.rank).tp)
         self.device = next(iter(src.params.values())).device
         self.copies = self.rank_plan.copies  # host tensors: the kernels read plans on the host
         self.buffer: torch.Tensor | None = None
@@ -117,9 +115,9 @@ class HybridEngine:
         self.stats = SwitchStats()
 
     @classmethod
-    def from_role(cls, role: Any, rollout_tp: int = 1, **kwargs: Any) -> HybridEngine:
+    def from_role(cls, role: Any, layout: ParallelLayout, **kwargs: Any) -> HybridEngine:
         """An engine for a :class:`hybridrl.mcore.roles.RoleModel` (its chunks, shape and HF model family)."""
-        return cls(role.chunks, role.shape, rollout_tp=rollout_tp, family=role.hf_config.model_type, **kwargs)
+        return cls(role.chunks, role.shape, layout, family=role.hf_config.model_type, **kwargs)
 
     @property
     def rollout_rank(self) -> int:
@@ -328,17 +326,6 @@ def _gaps(ranges: list[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
             out.append((at, a))
         at = max(at, b)
     return out + ([(at, numel)] if at < numel else [])
-
-
-def _check_layout(given: ParallelLayout | None, actual: ParallelLayout) -> None:
-    if given is None:
-        return
-    for axis in ("tp", "pp", "vpp", "world_size"):
-        if getattr(given, axis) != getattr(actual, axis):
-            raise PlanError(
-                f"train_layout.{axis} ({getattr(given, axis)}) != the initialised parallel state's "
-                f"({getattr(actual, axis)}); pass the layout the model was built on or None"
-            )
 
 
 __all__ = ["HybridEngine", "SwitchStats", "TrainingSource"]

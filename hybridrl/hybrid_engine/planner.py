@@ -24,7 +24,8 @@ Shared tensors: a vLLM tensor that is one contiguous range of one Megatron shard
 embedding at TP 1, as a view of its first ``vocab`` rows) is handed out as a view of the training tensor on
 every rank that holds that shard, and is moved only if some other rank needs it.
 
-Rank mapping: rollout TP groups are consecutive global ranks, rollout rank = global rank % tp_rollout.
+Rank mapping: the layout's (:meth:`~hybridrl.distributed.layout.ParallelLayout.coords` for training,
+:meth:`~hybridrl.distributed.layout.ParallelLayout.rollout_coords` for generation).
 """
 
 from __future__ import annotations
@@ -189,12 +190,11 @@ def coalesce(blocks: torch.Tensor) -> torch.Tensor:
 
 # ---- the plan ------------------------------------------------------------------------------------------
 class ReshardPlan:
-    """The reshard of ``shape`` from ``layout`` (training) to rollout TP size ``rollout_tp``.
+    """The reshard of ``shape`` from ``layout``'s training groups to its generation groups.
 
     Args:
         shape: the model (``padded_vocab_size`` as the training model was built, for ``layout.tp``).
-        layout: the training layout (tp, pp, vpp, dp; its world size bounds the rollout TP size).
-        rollout_tp: vLLM's tensor-parallel size.
+        layout: the run's layout: training (tp, pp, vpp, dp) and generation (``rollout_tp``, vLLM's TP size).
         family: HF ``model_type`` (see ``vllm_layout.FAMILIES``).
         bucket_bytes: memory of the whole transport on a rank: ``slots`` gathered buffers, each ``layout.tp``
             local buckets; a local bucket thus holds ``bucket_bytes / (tp * slots)`` and must fit the
@@ -211,7 +211,6 @@ class ReshardPlan:
         self,
         shape: GPTShape,
         layout: ParallelLayout,
-        rollout_tp: int,
         family: str = "llama",
         bucket_bytes: int = 256 * 2**20,
         element_size: int = 2,
@@ -221,8 +220,9 @@ class ReshardPlan:
         slots: int = 1,
     ) -> None:
         check_family(family)
+        rollout_tp = layout.rollout_tp
         pad_vocab = rollout_tp > 1 if pad_vocab is None else pad_vocab
-        check_rollout_tp(shape, rollout_tp, layout.world_size, pad_vocab)
+        check_rollout_tp(shape, rollout_tp, pad_vocab)
         _check_training(shape, layout)
         self.shape, self.layout, self.rollout_tp = shape, layout, rollout_tp
         self.bucket_bytes, self.element_size, self.share, self.slots = bucket_bytes, element_size, share, slots
@@ -302,7 +302,7 @@ class ReshardPlan:
     def _roles(self) -> set[tuple[int, int, int]]:
         """Distinct (stage, training TP rank, rollout TP rank) over the world."""
         lay = self.layout
-        return {(c.pp, c.tp, r % self.rollout_tp) for r in range(lay.world_size) for c in [lay.coords(r)]}
+        return {(lay.coords(r).pp, lay.coords(r).tp, lay.rollout_coords(r).tp) for r in range(lay.world_size)}
 
     def _needed(self) -> set[str]:
         needed = set()
@@ -367,15 +367,15 @@ class ReshardPlan:
         return RankPlan(stage, tp_rank, rollout_rank, offsets, shared, used, copies)
 
     def for_global_rank(self, rank: int) -> RankPlan:
-        """:meth:`for_rank` of global ``rank`` (training coordinates from the layout; rollout rank = rank % tp)."""
+        """:meth:`for_rank` of global ``rank`` (its training and generation coordinates from the layout)."""
         c = self.layout.coords(rank)
-        return self.for_rank(c.pp, c.tp, rank % self.rollout_tp)
+        return self.for_rank(c.pp, c.tp, self.layout.rollout_coords(rank).tp)
 
     def describe(self) -> str:
         """One line: layouts, tensors, buckets."""
         moved = sum(b.numel for b in self.buckets) * self.element_size
         return (
-            f"{self.layout.describe()} -> rollout tp={self.rollout_tp}: {len(self.sources)} shards "
+            f"{self.layout.describe()} -> {self.layout.describe_rollout()}: {len(self.sources)} shards "
             f"({len(self.needed)} move), {len(self.buckets)} buckets, {moved / 2**20:.1f} MiB per TP rank"
         )
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from hybridrl.config.schema_roles import RolloutConfig
+from hybridrl.distributed.layout import ParallelLayout
 from hybridrl.hybrid_engine.engine import HybridEngine
 from hybridrl.mcore.optimizer import move_model_weights, move_optimizer_state
 from hybridrl.rollout.base import KV_CACHE, WEIGHTS, RolloutEngine
@@ -90,16 +91,18 @@ class RolloutSwitch:
         optimizer: Any,
         rollout: RolloutEngine,
         cfg: RolloutConfig,
+        layout: ParallelLayout,
         dtype: torch.dtype,
         param_offload: bool = False,
         optimizer_offload: bool = False,
     ) -> RolloutSwitch:
-        """The switch the trainer's actor uses, from the run's ``rollout`` section.
+        """The switch the trainer's actor uses, from the run's ``rollout`` section and layout.
 
         Args:
             model / optimizer / rollout: as for :class:`RolloutSwitch`.
-            cfg: the ``rollout`` section (``weight_sync``, ``tp_size``, ``sync_bucket_mb``, ``sync_overlap``,
+            cfg: the ``rollout`` section (``weight_sync``, ``sync_bucket_mb``, ``sync_overlap``,
                 ``free_cache_engine``).
+            layout: the run's layout (its generation groups are the engine's).
             dtype: the generation dtype (``rollout.dtype``, else ``model.dtype``).
             param_offload / optimizer_offload: the actor's flags.
         """
@@ -107,8 +110,8 @@ class RolloutSwitch:
         # full HF-layout tensors (the rollout-TP-1 layout) through the engine's loader, which cuts each rank's rows
         shards = cfg.weight_sync == "shards"
         hybrid = HybridEngine.from_role(
-            model, rollout_tp=cfg.tp_size if shards else 1, pad_vocab=shards, bucket_bytes=cfg.sync_bucket_mb << 20,
-            overlap=cfg.sync_overlap, dtype=dtype,
+            model, layout if shards else layout.with_rollout_tp(1), pad_vocab=shards,
+            bucket_bytes=cfg.sync_bucket_mb << 20, overlap=cfg.sync_overlap, dtype=dtype,
         )  # fmt: skip
         return cls(
             hybrid, rollout, model, optimizer, weight_sync=cfg.weight_sync, free_cache_engine=cfg.free_cache_engine,

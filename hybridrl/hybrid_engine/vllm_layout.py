@@ -53,12 +53,9 @@ def vllm_padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
 
 
-def check_rollout_tp(shape: GPTShape, tp: int, world_size: int, pad_vocab: bool) -> None:
-    """Raise a one-line :class:`PlanError` unless vLLM can shard ``shape`` over ``tp`` ranks of ``world_size``."""
-    if not isinstance(tp, int) or tp < 1:
-        raise PlanError(f"rollout.tp_size ({tp!r}) must be a positive integer")
-    if world_size % tp:
-        raise PlanError(f"rollout.tp_size ({tp}) must divide the world size ({world_size}); choose a divisor of it")
+def check_rollout_tp(shape: GPTShape, tp: int, pad_vocab: bool) -> None:
+    """Raise a one-line :class:`PlanError` unless vLLM can shard ``shape`` over ``tp`` ranks (that ``tp`` tiles
+    the world is the layout's rule, :class:`~hybridrl.distributed.layout.ParallelLayout`)."""
     heads, kv = shape.num_attention_heads, shape.num_query_groups
     if heads % tp:
         raise PlanError(f"rollout.tp_size ({tp}) must divide num_attention_heads ({heads}); choose a divisor of it")

@@ -1,7 +1,8 @@
-"""Megatron parallel state from a :class:`~hybridrl.distributed.ParallelLayout`.
+"""Process groups from the run's :class:`~hybridrl.distributed.ParallelLayout`: Megatron's and the rollout replicas'.
 
 ``hybridrl.distributed.init_model_parallel`` calls :func:`initialize` here: it applies the CPU shims when
-CUDA is absent, builds Megatron's TP/PP/DP/CP/EP groups with the layout's sizes, and seeds the RNG
+CUDA is absent, builds Megatron's TP/PP/DP/CP/EP groups with the layout's sizes and the rollout replica
+groups with its generation groups (:func:`rollout_replica_info` checks a layout against them), and seeds the RNG
 tracker the way ``model_parallel_cuda_manual_seed`` does on GPU.
 """
 
@@ -13,11 +14,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from hybridrl.distributed.env import apply_collective_timeout, collective_timeout_s
+from hybridrl.distributed.env import apply_collective_timeout
 from hybridrl.distributed.layout import LayoutError, ParallelLayout
 from hybridrl.mcore import cpu_compat
 
 _MEGATRON_AXIS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "mp": "tp-pp"}
+_BUILT: dict[str, object] = {}
+"""What :func:`initialize` built: ``layout`` and ``replica_groups`` (one per rollout TP rank; empty at rollout TP 1)."""
 
 
 def megatron_rank_groups(layout: ParallelLayout, axis: str) -> list[list[int]]:
@@ -30,11 +33,12 @@ def megatron_rank_groups(layout: ParallelLayout, axis: str) -> list[list[int]]:
 
 
 def initialize(layout: ParallelLayout, seed: int = 1234, timeout_s: float = 600.0) -> None:
-    """Build Megatron's process groups for ``layout`` and seed the model-parallel RNG.
+    """Build Megatron's process groups and the rollout replica groups for ``layout``; seed the model-parallel RNG.
 
-    Requires ``torch.distributed`` to be initialised with ``layout.world_size`` ranks. Every group's collectives
-    wait ``timeout_s`` (Megatron's own default, 30 minutes, would outlast ``trainer.collective_timeout_s``); the
-    few Megatron creates without passing its timeout get it set afterwards.
+    Requires ``torch.distributed`` to be initialised with ``layout.world_size`` ranks; collective (every rank
+    creates every group, in the same order). Every group's collectives wait ``timeout_s`` (Megatron's own default,
+    30 minutes, would outlast ``trainer.collective_timeout_s``); the few Megatron creates without passing its
+    timeout get it set afterwards.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; call hybridrl.distributed.init_distributed() first")
@@ -55,6 +59,11 @@ def initialize(layout: ParallelLayout, seed: int = 1234, timeout_s: float = 600.
         distributed_timeout_minutes=timeout_s / 60,  # timedelta(minutes=...) inside: a float is fine
         create_gloo_process_groups=on_cpu,
     )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    replicas = (
+        [dist.new_group(g, timeout=timeout) for g in layout.groups("rollout_dp")] if layout.rollout_tp > 1 else []
+    )
+    _BUILT.update(layout=layout, replica_groups=replicas)
     apply_collective_timeout(timeout_s)  # also the few groups Megatron makes without its timeout
     reseed(seed)
 
@@ -75,6 +84,7 @@ def destroy() -> None:
     """Tear down Megatron's groups (the default process group stays)."""
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
+    _BUILT.clear()
 
 
 def p2p_settings() -> dict[str, bool]:
@@ -97,16 +107,16 @@ def data_parallel_info() -> tuple[int, int, object]:
     )
 
 
-def rollout_replica_info(rollout_tp: int) -> tuple[int, int, object]:
-    """(size, rank, group) over the vLLM replicas: ranks with the same rollout-TP rank (consecutive TP blocks).
-
-    Collective on first use for ``rollout_tp > 1`` (every rank creates every group, in the same order).
-    """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if rollout_tp == 1:
-        return world, rank, None
-    if world % rollout_tp:
-        raise LayoutError(f"rollout.tp_size ({rollout_tp}) must divide the world size ({world})")
-    timeout = datetime.timedelta(seconds=collective_timeout_s())
-    groups = [dist.new_group(list(range(t, world, rollout_tp)), timeout=timeout) for t in range(rollout_tp)]
-    return world // rollout_tp, rank // rollout_tp, groups[rank % rollout_tp]
+def rollout_replica_info(layout: ParallelLayout) -> tuple[int, int, object]:
+    """(size, rank, group) of this rank's replica group: one rank of every vLLM engine, those with its rollout TP
+    rank (the group is None, i.e. the whole world, at rollout TP 1)."""
+    built = _BUILT.get("layout")
+    if built is None or (built.world_size, built.rollout_tp) != (layout.world_size, layout.rollout_tp):
+        have = "none" if built is None else built.describe_rollout()
+        raise LayoutError(
+            f"the rollout replica groups were built for {have}, not {layout.describe_rollout()}; pass the layout "
+            "that init_model_parallel was given"
+        )
+    coords = layout.rollout_coords(dist.get_rank())
+    group = _BUILT["replica_groups"][coords.tp] if layout.rollout_tp > 1 else None
+    return layout.rollout_replicas, coords.replica, group

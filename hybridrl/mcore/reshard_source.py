@@ -2,7 +2,8 @@
 
 ``hybridrl.hybrid_engine`` never imports Megatron; it gets this rank's shards (names with GLOBAL layer
 numbers, as :func:`hybridrl.mcore.bridge.global_parameters` gives them) and the tensor / pipeline process
-groups of the initialised parallel state through :func:`training_source`.
+groups of the initialised parallel state through :func:`training_source`, which checks that state against the
+run's layout.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from hybridrl.distributed.layout import ParallelLayout
+from hybridrl.distributed.layout import LayoutError, ParallelLayout
 from hybridrl.mcore.bridge import global_parameters
 
 
@@ -25,6 +26,7 @@ class TrainingSource:
     parameters: dict[str, torch.Tensor] = field(repr=False)
     """Megatron name (global layer numbers) -> the parameter (no copy)."""
     layout: ParallelLayout
+    """The run's layout (training and generation groups) the parallel state was built from."""
     tp_rank: int
     pp_rank: int
     tp_group: Any
@@ -41,19 +43,24 @@ class TrainingSource:
         return {name: p.data for name, p in self.parameters.items()}
 
 
-def training_source(chunks: list[torch.nn.Module]) -> TrainingSource:
-    """This rank's parameters and groups on the current Megatron parallel state."""
+def training_source(chunks: list[torch.nn.Module], layout: ParallelLayout) -> TrainingSource:
+    """This rank's parameters and groups on the current Megatron parallel state, which must be ``layout``'s."""
     params = dict(global_parameters(chunks))
     pp_group = mpu.get_pipeline_model_parallel_group()
-    pp = mpu.get_pipeline_model_parallel_world_size()
-    vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
-    layout = ParallelLayout.from_world(
-        dist.get_world_size(),
-        tp=mpu.get_tensor_model_parallel_world_size(),
-        pp=pp,
-        cp=mpu.get_context_parallel_world_size(),
-        vpp=vpp,
-    )
+    live = {
+        "world_size": dist.get_world_size(),
+        "tp": mpu.get_tensor_model_parallel_world_size(),
+        "pp": mpu.get_pipeline_model_parallel_world_size(),
+        "vpp": mpu.get_virtual_pipeline_model_parallel_world_size() or 1,
+        "cp": mpu.get_context_parallel_world_size(),
+    }
+    for axis, size in live.items():
+        if getattr(layout, axis) != size:
+            raise LayoutError(
+                f"layout.{axis} ({getattr(layout, axis)}) != the initialised parallel state's ({size}); pass the "
+                "layout init_model_parallel was given (the one the model was built on)",
+                axis=axis,
+            )
     return TrainingSource(
         parameters=params,
         layout=layout,
@@ -61,6 +68,6 @@ def training_source(chunks: list[torch.nn.Module]) -> TrainingSource:
         pp_rank=mpu.get_pipeline_model_parallel_rank(),
         tp_group=mpu.get_tensor_model_parallel_group(),
         pp_group=pp_group,
-        pp_ranks=[dist.get_global_rank(pp_group, s) for s in range(pp)],
+        pp_ranks=[dist.get_global_rank(pp_group, s) for s in range(layout.pp)],
         fused_norms=any(n.endswith("linear_qkv.layer_norm_weight") for n in params),
     )

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.config.schema_roles import RolloutConfig
+from hybridrl.distributed.layout import ParallelLayout
 from hybridrl.protocol import DataProto
 from hybridrl.rollout.base import KV_CACHE, WEIGHTS, RolloutEngine, pack_rollout, unpad_prompts
 
@@ -154,7 +155,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
     Args:
         hf_config: a ``transformers.PretrainedConfig`` or its dict; its ``dtype`` is the default dtype.
-        tensor_parallel_size: rollout TP (``rollout.tp_size``).
+        tensor_parallel_size: rollout TP (the layout's ``rollout_tp``).
+        replica: which vLLM engine of the run this rank belongs to (the layout's
+            :meth:`~hybridrl.distributed.layout.ParallelLayout.rollout_coords`): unseeded requests at TP > 1 get
+            seeds that differ between replicas.
         dtype: "float32", "bfloat16", "float16"; None = the config's dtype (fp32 for CPU parity tests).
         max_model_len: context length (prompt + response); None = the config's.
         seed: engine seed (requests without a sampling seed draw from the engine's RNG).
@@ -177,6 +181,7 @@ class VLLMRolloutEngine(RolloutEngine):
         hf_config: Any,
         *,
         tensor_parallel_size: int = 1,
+        replica: int = 0,
         dtype: str | None = None,
         max_model_len: int | None = None,
         seed: int = 0,
@@ -218,7 +223,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.can_alias = not on_gpu or (enforce_eager and not self.sleep_mode)
         self.asleep: set[str] = set()  # parts put to sleep and not woken yet ("weights", "kv_cache")
         self.weights_lost = False  # sleep(level=2) dropped them: a full push must come before generating
-        self.tensor_parallel_size = tensor_parallel_size
+        self.tensor_parallel_size, self.replica = tensor_parallel_size, replica
         self._generate_calls = 0
         self._folder = tempfile.TemporaryDirectory(prefix="hybridrl_vllm_")
         _write_config(hf_config, self._folder.name)
@@ -261,12 +266,19 @@ class VLLMRolloutEngine(RolloutEngine):
 
     @classmethod
     def from_config(
-        cls, cfg: RolloutConfig, hf_config: Any, tokenizer: Any = None, model_path: str | None = None, **kwargs: Any
+        cls,
+        cfg: RolloutConfig,
+        layout: ParallelLayout,
+        hf_config: Any,
+        tokenizer: Any = None,
+        model_path: str | None = None,
+        **kwargs: Any,
     ) -> VLLMRolloutEngine:
-        """Build from a resolved ``rollout`` config (``hybridrl.config.checks`` fills its None fields).
+        """This rank's engine from a resolved ``rollout`` config (``hybridrl.config.checks`` fills its None fields).
 
         Args:
             cfg: the run's ``rollout`` section.
+            layout: the run's layout: the engine's TP size and this rank's replica (its generation groups).
             hf_config: the model's HF config.
             tokenizer: the run's :class:`hybridrl.data.tokenizers.Tokenizer`: its EOS ends responses, and its
                 folder lets vLLM match ``cfg.stop`` strings (:func:`stop_string_tokenizer`).
@@ -285,9 +297,16 @@ class VLLMRolloutEngine(RolloutEngine):
         sampling.update(max_tokens=cfg.response_length, **({"stop": list(cfg.stop)} if cfg.stop else {}))
         kwargs.setdefault("stop_token_ids", end_token_ids(hf_config, model_path, tokenizer))
         kwargs.setdefault("tokenizer", stop_string_tokenizer(list(cfg.stop), tokenizer))
+        if layout.world_size > 1:
+            # one vLLM worker per launched rank, also at rollout TP 1: vLLM's single-process executor would put every
+            # rank's engine on cuda:0 (it takes the device index from its config, not torch.cuda.current_device());
+            # the launcher's TP groups are consecutive ranks, the layout's generation groups
+            kwargs.setdefault("distributed_executor_backend", "external_launcher")
+        rank = dist.get_rank() if dist.is_initialized() else 0
         return cls(
             hf_config,
-            tensor_parallel_size=cfg.tp_size,
+            tensor_parallel_size=layout.rollout_tp,
+            replica=layout.rollout_coords(rank).replica,
             dtype=cfg.dtype,
             max_model_len=cfg.max_model_len,
             seed=cfg.seed,
@@ -346,10 +365,9 @@ class VLLMRolloutEngine(RolloutEngine):
         if settings.get("seed") is None and self.tensor_parallel_size > 1:
             # the TP ranks each sample; unseeded requests draw from each process's global RNG, which training
             # may have advanced differently per rank: per-request seeds keep the ranks' tokens (and schedules)
-            # identical. Derived from the engine seed, the call count and the replica (rollout groups are
-            # consecutive ranks): the same within a TP group, different between replicas.
-            replica = dist.get_rank() // self.tensor_parallel_size if dist.is_initialized() else 0
-            mixed = (self.seed * 1_000_003 + self._generate_calls) * 10_007 + replica
+            # identical. Derived from the engine seed, the call count and the replica: the same within a TP group,
+            # different between replicas.
+            mixed = (self.seed * 1_000_003 + self._generate_calls) * 10_007 + self.replica
             settings["seed"] = (mixed << 20) % (1 << 62)
         n, max_tokens = int(settings.get("n", 1)), int(settings["max_tokens"])
         if n > 1 and not settings.get("temperature"):

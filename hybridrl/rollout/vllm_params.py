@@ -92,7 +92,8 @@ def write_shards(
         if tuple(tensor.shape) != want:
             raise ValueError(
                 f"load_shards: {name} has shape {list(tensor.shape)} but this vLLM rank holds {list(want)}; plan "
-                "the switch for the engine's TP with vLLM's vocab padding (HybridEngine(rollout_tp=N, pad_vocab=True))"
+                "the switch for the engine's TP with vLLM's vocab padding (HybridEngine(..., layout, pad_vocab=True) "
+                "with layout.rollout_tp = the engine's TP)"
             )
         targets.append((module, attr, tensor))
     owners: dict[int, list[torch.nn.Module]] = {}

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hybridrl.config import ConfigError, RunConfig, load_config
+from hybridrl.config import ConfigError, RunConfig, load_config, run_layout
 from hybridrl.distributed import ParallelLayout, detect_env, init_distributed, init_model_parallel
 from hybridrl.trainer.preflight import (
     ModelPathError,
@@ -198,8 +198,7 @@ def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
     check_environment(cfg)  # the loggers' packages, a writable run folder
     reward = RewardManager.from_config(cfg.reward)  # the scorer loads and takes its four arguments; None: RM only
     init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
-    m = cfg.actor.megatron
-    layout = ParallelLayout.from_world(penv.world_size, tp=m.tp_size, pp=m.pp_size, cp=m.cp_size, vpp=m.vpp_size)
+    layout = run_layout(cfg, penv.world_size)  # the run's one layout: Megatron's groups, vLLM's, every role's
     init_model_parallel(layout, seed=cfg.trainer.seed)
 
     from hybridrl.data import RLHFDataset
@@ -215,7 +214,7 @@ def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
     resolve_total_steps(cfg, len(train_ds))
     if penv.rank == 0:
         print(f"[hybridrl] {start_summary(cfg, layout)}; {data_summary(cfg, train_ds, val_ds)}", flush=True)
-    trainer = RLTrainer(cfg, model_path, tokenizer, train_ds, val_ds, reward)
+    trainer = RLTrainer(cfg, layout, model_path, tokenizer, train_ds, val_ds, reward)
     apply_collective_timeout(cfg.trainer.collective_timeout_s)  # the groups vLLM and the workers made too
     history = trainer.fit()
     if penv.rank == 0:
@@ -228,7 +227,7 @@ def start_summary(cfg: RunConfig, layout: ParallelLayout) -> str:
     t = cfg.trainer
     return (
         f"{cfg.algorithm.adv_estimator} run {t.project_name}/{t.experiment_name}: {t.total_steps} steps, "
-        f"{layout.describe()}, outputs in {t.default_local_dir}"
+        f"{layout.describe()}, {layout.describe_rollout()}, outputs in {t.default_local_dir}"
     )
 
 

@@ -106,12 +106,11 @@ def load_run_tokenizer(path: str, key: str) -> Any:
 def model_folders(cfg: RunConfig, model_path: str) -> list[tuple[str, str, str, int]]:
     """(key, folder, head, tp) of every model the run builds from a folder: the policy (actor, reference and
     rollout start there), the critic and the reward model."""
-    tp = cfg.actor.megatron.tp_size
+    tp = cfg.actor.megatron.tp_size  # every role's: the run has one layout
     out = [("model.path", model_path, "lm", tp)]
     if cfg.critic.enable:
-        critic_tp = cfg.critic.megatron.tp_size if cfg.critic.megatron is not None else tp
         out.append(("critic.model_path" if cfg.critic.model_path else "model.path", cfg.critic.model_path or model_path,
-                    "score", critic_tp))  # fmt: skip
+                    "score", tp))  # fmt: skip
     if cfg.reward.model.enable and cfg.reward.model.path:
         out.append(("reward.model.path", cfg.reward.model.path, "score", tp))
     return out

@@ -7,6 +7,10 @@ PPO (critic + GAE) and GRPO (no critic) differ only in config: ``algorithm.adv_e
 estimator from :mod:`hybridrl.algos.advantages`, and the critic / reference workers exist when the config
 enables them. An estimator that declares an input the rollout batch lacks (ReMax's ``reward_baselines``) gets
 it from the loop's providers (:meth:`RLTrainer._provide_estimator_inputs`), whatever the estimator is called.
+The loop-level features of the RL variants are config switches, not algorithm names: dynamic sampling
+(``algorithm.filter_groups``: drop groups whose scores are all equal, generate more to refill the batch), the soft
+overlong punishment of training scores (``reward.overlong_buffer``) and rollout correction of the actor's update
+(``algorithm.rollout_correction``); their formulas are in :mod:`hybridrl.algos`.
 Every process runs this loop (SPMD); rank 0 writes metrics.
 """
 
@@ -21,9 +25,13 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.algos.advantages import compute_advantages, required_inputs
+from hybridrl.algos.dynamic_sampling import informative_rows, overlong_penalty
 from hybridrl.algos.kl import apply_kl_penalty, make_kl_controller
+from hybridrl.algos.rollout_correction import rollout_correction
 from hybridrl.config import RunConfig
+from hybridrl.config.checks import optimizer_steps, update_schedule
 from hybridrl.data.loader import PromptLoader
+from hybridrl.distributed.layout import ParallelLayout
 from hybridrl.errors import InputError
 from hybridrl.protocol import DataProto
 from hybridrl.rewards import last_token_rewards
@@ -42,45 +50,75 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float((x * mask).sum() / mask.sum().clamp(min=1))
 
 
+def role_workers(
+    cfg: RunConfig, layout: ParallelLayout, model_path: str, tokenizer: Any = None
+) -> dict[str, ClassWithInitArgs]:
+    """Each enabled role's worker class with what it is built from (what :class:`RLTrainer` builds its groups of):
+    its own config sections, the run's ``layout`` and the numbers only the run knows (optimizer steps over the run,
+    from ``data`` and ``trainer``), so that no worker reads the whole config.
+
+    Args:
+        cfg: a resolved run config with ``trainer.total_steps`` set.
+        layout: the run's layout (:func:`hybridrl.config.layout.run_layout`), the one the groups were built from.
+        model_path: HF folder of the policy; tokenizer: the run's tokenizer.
+    """
+    dtype = cfg.model.dtype
+    actor = (cfg.actor, cfg.rollout, layout, model_path, dtype, optimizer_steps(cfg, "actor"), tokenizer,
+             cfg.algorithm.rollout_correction)  # fmt: skip
+    share = cfg.actor.share_prompt_prefix
+    out = {"actor": ClassWithInitArgs(ActorRolloutWorker, *actor)}
+    if cfg.ref.enable:
+        out["ref"] = ClassWithInitArgs(ReferenceWorker, cfg.ref, model_path, dtype, cfg.rollout.temperature, share)
+    if cfg.critic.enable:
+        out["critic"] = ClassWithInitArgs(
+            CriticWorker, cfg.critic, cfg.critic.model_path or model_path, dtype, optimizer_steps(cfg, "critic"),
+            cfg.rollout.n, cfg.actor.shuffle, share,
+        )  # fmt: skip
+    if cfg.reward.model.enable:
+        out["rm"] = ClassWithInitArgs(RewardModelWorker, cfg.reward.model, cfg.reward.model.path, dtype)
+    return out
+
+
 class RLTrainer:
     """Builds the role worker groups on one resource pool and runs ``fit()``.
 
     Args:
         cfg: a resolved run config (``load_config``).
+        layout: the run's layout (:func:`hybridrl.config.layout.run_layout`), the one the groups were built from.
         model_path: HF folder of the policy (actor, reference, rollout and, by default, critic start here).
         tokenizer: a :class:`hybridrl.data.tokenizers.Tokenizer` (decodes responses for the scorers).
         train_dataset / val_dataset: :class:`hybridrl.data.RLHFDataset` (val may be None).
         reward_manager: :class:`hybridrl.rewards.RewardManager`.
     """
 
-    def __init__(self, cfg: RunConfig, model_path: str, tokenizer: Any, train_dataset: Any, val_dataset: Any,
-                 reward_manager: Any) -> None:  # fmt: skip
+    def __init__(self, cfg: RunConfig, layout: ParallelLayout, model_path: str, tokenizer: Any, train_dataset: Any,
+                 val_dataset: Any, reward_manager: Any) -> None:  # fmt: skip
         self.cfg, self.tokenizer, self.reward = cfg, tokenizer, reward_manager
+        rank = dist.get_rank() if dist.is_initialized() else 0
         pool = ResourcePool(
             process_on_nodes=list(cfg.resources.process_on_nodes),
             use_gpu=torch.cuda.is_available(),
             max_colocate_count=cfg.resources.max_colocate_count,
         )
-        self.actor = WorkerGroup(pool, ClassWithInitArgs(ActorRolloutWorker, cfg, model_path, tokenizer))
-        self.ref = WorkerGroup(pool, ClassWithInitArgs(ReferenceWorker, cfg, model_path)) if cfg.ref.enable else None
-        self.rm = None
-        if cfg.reward.model.enable:
-            self.rm = WorkerGroup(pool, ClassWithInitArgs(RewardModelWorker, cfg, cfg.reward.model.path))
-        critic_path = cfg.critic.model_path or model_path
-        self.critic = (
-            WorkerGroup(pool, ClassWithInitArgs(CriticWorker, cfg, critic_path)) if cfg.critic.enable else None
-        )
+        workers = role_workers(cfg, layout, model_path, tokenizer)
+        if rank == 0:
+            for role in ("actor", "critic") if "critic" in workers else ("actor",):
+                print(f"[hybridrl] {update_schedule(cfg, role)}", flush=True)
+        self.actor = WorkerGroup(pool, workers["actor"])
+        self.ref = WorkerGroup(pool, workers["ref"]) if "ref" in workers else None
+        self.rm = WorkerGroup(pool, workers["rm"]) if "rm" in workers else None
+        self.critic = WorkerGroup(pool, workers["critic"]) if "critic" in workers else None
         self.loader = PromptLoader(
             train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
         )
         self.val_dataset = val_dataset
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
-        rank = dist.get_rank() if dist.is_initialized() else 0
         log_dir = os.path.join(cfg.trainer.default_local_dir, "logs")
         self.tracker = Tracker(cfg.trainer.loggers, log_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
                                total_steps=cfg.trainer.total_steps, rank=rank)  # fmt: skip
         self.step = 0
         self.bad_steps = 0
+        self._batches: Any = None  # the loader's iterator (fit and dynamic sampling's refills draw from it)
         self.rank = rank
         # checkpoint parts in load order: the loader first (it refuses another data order before anything
         # loads), the tracker last (it rewrites metrics.jsonl); the frozen reference is rebuilt from model_path
@@ -129,12 +167,99 @@ class RLTrainer:
             metrics["reward/rm_score_mean"] = float(rm.mean())
         return scores, metrics
 
+    def _shape(self, scores: torch.Tensor, batch: DataProto, metrics: dict[str, float]) -> torch.Tensor:
+        """Training scores with the soft overlong punishment (``reward.overlong_buffer``) on the last token."""
+        b, mask = self.cfg.reward.overlong_buffer, batch.batch["response_mask"]
+        if not b.enable:
+            return scores
+        penalty = overlong_penalty(mask.sum(-1), self.cfg.data.max_response_length, b.len, b.penalty_factor)
+        metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+        return scores + last_token_rewards(penalty, mask)
+
+    def _sample(self, prompts: DataProto, timer: StageTimer, refill: int = 0) -> tuple[DataProto, dict[str, float]]:
+        """Responses to ``prompts`` with their shaped ``token_level_scores``, and ``task_scores`` ``(B,)`` (the
+        scorers' sums, unshaped). Refill ``k`` of a step samples from its own seeds, past every step's first
+        round: ``rollout.seed + (k * trainer.total_steps + step) * B``."""
+        sampling: dict[str, Any] = {}
+        if refill:
+            block = len(prompts) * self.cfg.rollout.n
+            sampling["seed"] = self.cfg.rollout.seed + (refill * self.cfg.trainer.total_steps + self.step) * block
+        with timer("rollout"):
+            batch, metrics = self._rollout(prompts, **sampling)
+        with timer("reward"):
+            scores, reward_m = self._score(batch)
+            batch.batch["task_scores"] = scores.sum(-1)
+            batch.batch["token_level_scores"] = self._shape(scores, batch, reward_m)
+        return batch, {**metrics, **reward_m}
+
+    def _collect(self, prompts: DataProto, timer: StageTimer) -> tuple[DataProto, DataProto, dict[str, float]]:
+        """The step's scored responses and their prompts. With ``algorithm.filter_groups`` (DAPO's dynamic sampling)
+        only groups whose task scores differ are kept, refilled from further prompts of the loader for at most
+        ``max_num_gen_batches`` rounds; a batch still short is filled with dropped groups, with a warning."""
+        batch, metrics = self._sample(prompts, timer)
+        f, n, want = self.cfg.algorithm.filter_groups, self.cfg.rollout.n, len(prompts)
+        if not f.enable:
+            return batch, prompts, metrics
+        batches, prompt_parts = [batch], [prompts]
+        keeps = [informative_rows(batch.batch["task_scores"], batch.non_tensor_batch["uid"])]
+        metrics["filter/informative_frac"] = float(keeps[0].float().mean())
+        while sum(int(k.sum()) for k in keeps) < want * n and len(batches) < f.max_num_gen_batches:
+            more = self._next_prompts()
+            extra, extra_m = self._sample(more, timer, refill=len(batches))
+            metrics = {**extra_m, **metrics}  # the first round's (its switch pushed the weights; later ones find them)
+            # a prompt drawn again (the loader wrapped) must form its own group; concat wants one meta_info
+            extra.non_tensor_batch["uid"] = np.array([f"{u}#{len(batches)}" for u in extra.non_tensor_batch["uid"]],
+                                                     dtype=object)  # fmt: skip
+            extra.meta_info, more.meta_info = dict(batch.meta_info), dict(prompts.meta_info)
+            keeps.append(informative_rows(extra.batch["task_scores"], extra.non_tensor_batch["uid"]))
+            batches.append(extra)
+            prompt_parts.append(more)
+        keep = torch.cat(keeps)
+        rows = keep.nonzero().squeeze(-1)[: want * n]
+        kept = len(rows) // n
+        if kept < want:
+            if self.rank == 0:
+                print(f"[hybridrl] warning: step {self.step}: dynamic sampling found {kept} of {want} groups with "
+                      f"differing scores in algorithm.filter_groups.max_num_gen_batches ({f.max_num_gen_batches}) "
+                      "rounds; filled with zero-variance groups (raise it for a full batch)", flush=True)  # fmt: skip
+            rows = torch.cat([rows, (~keep).nonzero().squeeze(-1)[: (want - kept) * n]])
+        rows = rows.sort().values  # whole groups, each contiguous, in generation order
+        picked = DataProto.concat(batches)[rows]
+        metrics.update({"filter/kept_groups": float(kept), "filter/gen_rounds": float(len(batches)),
+                        "reward/score_mean": float(picked.batch["task_scores"].mean())})  # fmt: skip
+        return picked, DataProto.concat(prompt_parts)[rows[::n] // n], metrics
+
+    def _next_prompts(self) -> DataProto:
+        """The next batch of prompts of the loader (a new epoch when one ends)."""
+        if self._batches is None:
+            self._batches = iter(self.loader)
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self._batches = iter(self.loader)
+            return next(self._batches)
+
+    def _actor_batch(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """The actor's update batch: with ``algorithm.rollout_correction``, its TIS weights (``rollout_is_weights``)
+        and MIS-masked ``response_mask`` from vLLM's vs the actor's log-probs; the rest of the step keeps the mask."""
+        c, b = self.cfg.algorithm.rollout_correction, batch.batch
+        if c.rollout_is is None and c.rollout_rs is None:
+            return batch, {}
+        weights, mask, metrics = rollout_correction(
+            b["old_log_probs"], b["rollout_log_probs"], b["response_mask"], rollout_is=c.rollout_is,
+            rollout_is_threshold=c.rollout_is_threshold, rollout_rs=c.rollout_rs,
+            rollout_rs_threshold=c.rollout_rs_threshold, rollout_rs_threshold_lower=c.rollout_rs_threshold_lower,
+        )  # fmt: skip
+        tensors = {**b, "response_mask": mask, **({"rollout_is_weights": weights} if weights is not None else {})}
+        return DataProto(tensors, batch.non_tensor_batch, batch.meta_info), metrics
+
     def _greedy_baselines(self, prompts: DataProto, n: int) -> torch.Tensor:
         """``reward_baselines`` ``(b,)``: the score of the greedy response to each sample's prompt (ReMax's
         baseline, Li et al. 2023, Alg. 1); one greedy generation per prompt, scored like the samples, repeated over
         the prompt's n samples (which generate_sequences lays out adjacent)."""
         greedy, _ = self._rollout(prompts, n=1, temperature=0.0)
         scores, _ = self._score(greedy)
+        scores = self._shape(scores, greedy, {})  # shaped as the samples are
         return scores.sum(1).repeat_interleave(n)
 
     def _provide_estimator_inputs(self, prompts: DataProto, batch: DataProto, timer: StageTimer) -> None:
@@ -166,6 +291,8 @@ class RLTrainer:
             lam=a.lam,
             norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
             reward_baselines=batch.batch.get("reward_baselines"),
+            pass_k=a.pass_k,
+            pass_threshold=a.pass_threshold,
         )
         batch.batch["advantages"], batch.batch["returns"] = adv, returns
         metrics["critic/advantages_mean"] = _masked_mean(adv, mask)
@@ -176,11 +303,7 @@ class RLTrainer:
         """One PPO/GRPO step on a batch of prompts; returns its metrics."""
         timer, metrics = StageTimer(), {}
         start = time.perf_counter()
-        with timer("rollout"):
-            batch, switch = self._rollout(prompts)
-        metrics.update(switch)
-        with timer("reward"):
-            batch.batch["token_level_scores"], reward_m = self._score(batch)
+        batch, prompts, reward_m = self._collect(prompts, timer)  # rollout and reward stages
         self._provide_estimator_inputs(prompts, batch, timer)
         with timer("old_log_prob"):
             batch = batch.union(self.actor.compute_log_prob(batch))
@@ -195,8 +318,10 @@ class RLTrainer:
         if self.critic is not None:
             with timer("update_critic"):
                 metrics.update(self.critic.update_critic(batch).meta_info["metrics"])
+        actor_batch, correction = self._actor_batch(batch)
+        metrics.update(correction)
         with timer("update_actor"):
-            metrics.update(self.actor.update_actor(batch).meta_info["metrics"])
+            metrics.update(self.actor.update_actor(actor_batch).meta_info["metrics"])
         metrics.update(reward_m)
         metrics.update(self._batch_metrics(batch))
         elapsed = time.perf_counter() - start
@@ -259,13 +384,8 @@ class RLTrainer:
             first = self.validate()  # before training, or on the resumed weights
             self.tracker.log(first, step=self.step)
             history.append(first)
-        batches = iter(self.loader)
         while self.step < t.total_steps:
-            try:
-                prompts = next(batches)
-            except StopIteration:
-                batches = iter(self.loader)
-                prompts = next(batches)
+            prompts = self._next_prompts()
             self.step += 1
             metrics = self.train_step(prompts)
             last = self.step == t.total_steps

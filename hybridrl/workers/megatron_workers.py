@@ -1,7 +1,9 @@
 """The role workers of a PPO/GRPO step on Megatron (training) and vLLM (generation).
 
-Each worker builds its model on the already-initialised Megatron groups (all roles share them) and
-exposes registered methods; :class:`~hybridrl.workers.group.WorkerGroup` splits their DataProto over the
+Each worker takes its own config section(s), not the run config, and builds its model on the already-initialised
+Megatron groups (all roles share them: the run's :class:`~hybridrl.distributed.ParallelLayout`); the trainer
+computes what a section alone does not give (optimizer steps of the run, the rollout group size). Each exposes
+registered methods; :class:`~hybridrl.workers.group.WorkerGroup` splits their DataProto over the
 data-parallel ranks and gathers the results (see :mod:`hybridrl.workers.dispatch`).
 
 - :class:`ActorRolloutWorker`: ``switch_to_rollout`` / ``switch_to_training`` (the hybrid engine's
@@ -26,8 +28,9 @@ from typing import Any
 import torch
 
 from hybridrl.algos.objectives import ActorLoss, CriticLoss
-from hybridrl.config import RunConfig
-from hybridrl.config.checks import update_schedule
+from hybridrl.config.schema import RewardModelConfig, RolloutCorrectionConfig
+from hybridrl.config.schema_roles import ActorConfig, CriticConfig, RefConfig, RolloutConfig
+from hybridrl.distributed.layout import ParallelLayout
 from hybridrl.mcore import checkpoint as mckpt
 from hybridrl.mcore import compute, roles
 from hybridrl.mcore.optimizer import OptimConfig, build_optimizer, move_model_weights, move_optimizer_state
@@ -38,19 +41,11 @@ from hybridrl.workers.dispatch import Dispatch, register
 COMPUTE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
 
-def optimizer_steps(cfg: RunConfig, role: Any) -> int:
-    """Optimizer updates of ``role`` (actor / critic section) over the run: every trainer step makes
-    (data.train_batch_size / ppo_mini_batch_size) mini-batch updates per PPO epoch, both counted in prompts. The
-    LR schedule advances once per update, so its length (and a warmup ratio) is counted in these."""
-    per_step = cfg.data.train_batch_size // role.ppo_mini_batch_size * role.ppo_epochs
-    return cfg.trainer.total_steps * max(per_step, 1)
-
-
 def model_options(megatron: Any, key: str) -> dict[str, Any]:
-    """``TransformerConfig`` overrides from a role's ``megatron`` section: activation recompute and sequence
-    parallelism (the layout sizes come from the process groups)."""
+    """``TransformerConfig`` overrides from a role's ``megatron`` options: activation recompute, batched pipeline
+    p2p (None: the backend's default) and sequence parallelism (the layout sizes come from the process groups)."""
     out: dict[str, Any] = {}
-    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers", "batch_p2p_comm"):
         if getattr(megatron, name) is not None:
             out[name] = getattr(megatron, name)
     if megatron.sequence_parallel:
@@ -161,38 +156,48 @@ class _TrainedRole:
 
 
 class ActorRolloutWorker(_TrainedRole):
-    """Policy training on Megatron and generation in a colocated vLLM engine."""
+    """Policy training on Megatron and generation in a colocated vLLM engine.
 
-    def __init__(self, cfg: RunConfig, model_path: str, tokenizer: Any = None) -> None:
+    Args:
+        actor / rollout: the run's ``actor`` and ``rollout`` sections.
+        layout: the run's layout (the Megatron groups are built from it; its generation groups are vLLM's).
+        model_path: HF folder of the policy.
+        dtype: training dtype (``model.dtype``); generation uses ``rollout.dtype``.
+        optimizer_steps: optimizer updates over the run (the LR schedule's length).
+        tokenizer: the run's tokenizer (its EOS ends responses; an HF folder lets vLLM match ``rollout.stop``).
+        rollout_correction: ``algorithm.rollout_correction`` (its TIS weights enter the policy loss), or None.
+    """
+
+    def __init__(
+        self,
+        actor: ActorConfig,
+        rollout: RolloutConfig,
+        layout: ParallelLayout,
+        model_path: str,
+        dtype: str,
+        optimizer_steps: int,
+        tokenizer: Any = None,
+        rollout_correction: RolloutCorrectionConfig | None = None,
+    ) -> None:
         from hybridrl.hybrid_engine import RolloutSwitch
         from hybridrl.rollout import VLLMRolloutEngine
 
-        self.cfg = cfg
-        self.objective = ActorLoss(cfg.actor)  # a custom policy loss file is imported here, before any model
-        dtype = getattr(torch, cfg.model.dtype)
-        m = cfg.actor.megatron
-        self.model = roles.build_actor(model_path, dtype=dtype, **model_options(m, "actor.megatron"))
-        self.optimizer = build_optimizer(
-            self.model.chunks, optim_config(cfg.actor.optim, optimizer_steps(cfg, cfg.actor), m)
-        )
+        self.actor_cfg, self.rollout_cfg = actor, rollout
+        self.objective = ActorLoss(actor, rollout_correction)  # a custom policy loss file is imported here
+        m = actor.megatron
+        self.model = roles.build_actor(model_path, dtype=getattr(torch, dtype), **model_options(m, "actor.megatron"))
+        self.optimizer = build_optimizer(self.model.chunks, optim_config(actor.optim, optimizer_steps, m))
         self._setup_dp()
-        _announce(update_schedule(cfg, "actor"))
-        r = cfg.rollout
-        self.rollout_dp_size, self.rollout_dp_rank, self.rollout_dp_group = rollout_replica_info(r.tp_size)
-        # One vLLM worker per torchrun rank whenever there are several ranks, also at rollout TP 1: vLLM's
-        # single-process executor would put every rank's engine on cuda:0 (it takes the device index from the
-        # config, not from torch.cuda.current_device()).
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        extra = {"distributed_executor_backend": "external_launcher"} if world > 1 else {}
+        self.rollout_dp_size, self.rollout_dp_rank, self.rollout_dp_group = rollout_replica_info(layout)
         # the tokenizer's and generation_config.json's EOS ids end responses too; an HF tokenizer's folder lets
         # vLLM match rollout.stop strings
-        self.rollout = VLLMRolloutEngine.from_config(r, self.model.hf_config, tokenizer, model_path, **extra)
+        self.rollout = VLLMRolloutEngine.from_config(rollout, layout, self.model.hf_config, tokenizer, model_path)
         from hybridrl.rollout.agent.loop import AgentLoop
 
-        self.agent = AgentLoop.from_config(r.agent, self.rollout, tokenizer)  # rollout.agent: multi-turn; else None
+        self.agent = AgentLoop.from_config(rollout.agent, self.rollout, tokenizer, layout)  # None: single-turn
         self.switch = RolloutSwitch.build(
-            self.model, self.optimizer, self.rollout, r, getattr(torch, r.dtype or cfg.model.dtype),
-            param_offload=cfg.actor.param_offload, optimizer_offload=cfg.actor.optimizer_offload,
+            self.model, self.optimizer, self.rollout, rollout, layout, getattr(torch, rollout.dtype or dtype),
+            param_offload=actor.param_offload, optimizer_offload=actor.optimizer_offload,
         )  # fmt: skip
         self.version = 0
 
@@ -210,7 +215,7 @@ class ActorRolloutWorker(_TrainedRole):
         this replica offsets it past the earlier replicas' prompts. With ``rollout.agent`` each response is a multi-turn
         trajectory (:class:`~hybridrl.rollout.agent.loop.AgentLoop`)."""
         if sampling.get("seed") is not None:
-            n = sampling.get("n", self.cfg.rollout.n)
+            n = sampling.get("n", self.rollout_cfg.n)
             sampling = {**sampling, "seed": sampling["seed"] + self.rollout_dp_rank * len(prompts) * n}
         return (self.agent or self.rollout).generate(prompts, **sampling)
 
@@ -226,20 +231,20 @@ class ActorRolloutWorker(_TrainedRole):
         out = compute.compute_log_probs(
             self.model.chunks,
             _tensors(data, COMPUTE_KEYS),
-            self.cfg.actor.ppo_micro_batch_size_per_gpu,
-            temperature=self.cfg.rollout.temperature or 1.0,
+            self.actor_cfg.ppo_micro_batch_size_per_gpu,
+            temperature=self.rollout_cfg.temperature or 1.0,
             with_entropy=True,
             vocab_size=self.model.shape.vocab_size,
-            share_prefix=self.cfg.actor.share_prompt_prefix,
+            share_prefix=self.actor_cfg.share_prompt_prefix,
         )
         return DataProto.from_dict(tensors={"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
     @register(Dispatch.DP_COMPUTE)
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over mini-batches; returns the mean metrics (``actor/...``) in ``meta_info``."""
-        a = self.cfg.actor
+        a = self.actor_cfg
         head = compute.LogProbHead(
-            temperature=self.cfg.rollout.temperature or 1.0, with_entropy=True, vocab_size=self.model.shape.vocab_size
+            temperature=self.rollout_cfg.temperature or 1.0, with_entropy=True, vocab_size=self.model.shape.vocab_size
         )
         keys = (*COMPUTE_KEYS, *self.objective.inputs)
 
@@ -251,7 +256,7 @@ class ActorRolloutWorker(_TrainedRole):
                 share_prefix=a.share_prompt_prefix,
             )  # fmt: skip
 
-        responses = a.ppo_mini_batch_size * self.cfg.rollout.n
+        responses = a.ppo_mini_batch_size * self.rollout_cfg.n
         metrics = self._train(data.select(keys), responses, a.ppo_epochs, self.version, step, a.shuffle)
         metrics["param_norm"] = _param_norm(self.model.parameters())
         self.version += 1
@@ -259,31 +264,48 @@ class ActorRolloutWorker(_TrainedRole):
 
 
 class CriticWorker(_TrainedRole):
-    """The value model: per-token values and the clipped value-loss update."""
+    """The value model: per-token values and the clipped value-loss update.
 
-    def __init__(self, cfg: RunConfig, model_path: str) -> None:
-        self.cfg = cfg
-        m = cfg.critic.megatron or cfg.actor.megatron
-        options = model_options(m, "critic.megatron")
-        self.model = roles.build_critic(model_path, dtype=getattr(torch, cfg.model.dtype), **options)
+    Args:
+        critic: the run's ``critic`` section.
+        model_path: HF folder to start from (``critic.model_path``, else the policy's).
+        dtype: training dtype (``model.dtype``).
+        optimizer_steps: optimizer updates over the run (the LR schedule's length).
+        rollout_n: responses per prompt (``rollout.n``): a mini-batch of P prompts is P * rollout_n responses.
+        shuffle: shuffle responses between mini-batches (``actor.shuffle``).
+        share_prefix: compute each GRPO group's prompt once (``actor.share_prompt_prefix``).
+    """
+
+    def __init__(
+        self,
+        critic: CriticConfig,
+        model_path: str,
+        dtype: str,
+        optimizer_steps: int,
+        rollout_n: int,
+        shuffle: bool,
+        share_prefix: bool = False,
+    ) -> None:
+        self.critic_cfg, self.rollout_n, self.shuffle, self.share_prefix = critic, rollout_n, shuffle, share_prefix
+        options = model_options(critic.megatron, "critic.megatron")
+        self.model = roles.build_critic(model_path, dtype=getattr(torch, dtype), **options)
         self.optimizer = build_optimizer(
-            self.model.chunks, optim_config(cfg.critic.optim, optimizer_steps(cfg, cfg.critic), m)
+            self.model.chunks, optim_config(critic.optim, optimizer_steps, critic.megatron)
         )
-        self.objective = CriticLoss(cfg.critic)
+        self.objective = CriticLoss(critic)
         self._setup_dp()
         self.version = 0
-        _announce(update_schedule(cfg, "critic"))
 
     def _bring_back(self) -> None:
         """critic.param_offload / optimizer_offload: the critic sleeps in host memory between its updates."""
-        c = self.cfg.critic
+        c = self.critic_cfg
         if c.param_offload:
             move_model_weights(self.optimizer, self.model, to_host=False)
         if c.optimizer_offload:
             move_optimizer_state(self.optimizer, next(iter(self.model.parameters())).device)
 
     def _park(self) -> None:
-        c = self.cfg.critic
+        c = self.critic_cfg
         if c.optimizer_offload:
             move_optimizer_state(self.optimizer, "cpu")
         if c.param_offload:
@@ -302,15 +324,16 @@ class CriticWorker(_TrainedRole):
     @register(Dispatch.DP_COMPUTE)
     def compute_values(self, data: DataProto) -> DataProto:
         self._bring_back()
-        mbs = self.cfg.critic.ppo_micro_batch_size_per_gpu
-        values = compute.compute_values(self.model.chunks, _tensors(data, COMPUTE_KEYS), mbs,
-                                        share_prefix=self.cfg.actor.share_prompt_prefix)  # fmt: skip
+        mbs = self.critic_cfg.ppo_micro_batch_size_per_gpu
+        values = compute.compute_values(
+            self.model.chunks, _tensors(data, COMPUTE_KEYS), mbs, share_prefix=self.share_prefix
+        )
         return DataProto.from_dict(tensors={"values": values})
 
     @register(Dispatch.DP_COMPUTE)
     def update_critic(self, data: DataProto) -> DataProto:
         """Value-loss epochs over mini-batches; returns the mean metrics (``critic/...``) in ``meta_info``."""
-        c = self.cfg.critic
+        c = self.critic_cfg
         keys = (*COMPUTE_KEYS, *self.objective.inputs)
 
         def step(mini: DataProto):
@@ -318,26 +341,35 @@ class CriticWorker(_TrainedRole):
             return compute.forward_backward(
                 self.optimizer.chunks, _tensors(mini, keys), self.objective, c.ppo_micro_batch_size_per_gpu,
                 head=compute.ValuesHead(), loss_agg_mode=c.loss_agg_mode, loss_scale_factor=c.loss_scale_factor,
-                share_prefix=self.cfg.actor.share_prompt_prefix,
+                share_prefix=self.share_prefix,
             )  # fmt: skip
 
         self._bring_back()
-        responses = c.ppo_mini_batch_size * self.cfg.rollout.n
-        metrics = self._train(data.select(keys), responses, c.ppo_epochs, self.version, step, self.cfg.actor.shuffle)
+        responses = c.ppo_mini_batch_size * self.rollout_n
+        metrics = self._train(data.select(keys), responses, c.ppo_epochs, self.version, step, self.shuffle)
         self.version += 1
         self._park()
         return DataProto(meta_info={"metrics": {f"critic/{k}": v for k, v in metrics.items()}})
 
 
 class ReferenceWorker:
-    """The frozen reference policy."""
+    """The frozen reference policy.
 
-    def __init__(self, cfg: RunConfig, model_path: str) -> None:
-        self.cfg = cfg
-        m = cfg.ref.megatron or cfg.actor.megatron
+    Args:
+        ref: the run's ``ref`` section.
+        model_path: HF folder of the policy (the reference is the initial actor).
+        dtype: ``model.dtype``.
+        temperature: the sampling temperature (``rollout.temperature``; 0 = greedy, scored at 1) log-probs are of.
+        share_prefix: compute each GRPO group's prompt once (``actor.share_prompt_prefix``).
+    """
+
+    def __init__(
+        self, ref: RefConfig, model_path: str, dtype: str, temperature: float, share_prefix: bool = False
+    ) -> None:
+        self.ref_cfg, self.temperature, self.share_prefix = ref, temperature, share_prefix
         self.model = roles.build_reference(
-            model_path, offload=cfg.ref.param_offload, dtype=getattr(torch, cfg.model.dtype),
-            **model_options(m, "ref.megatron"),
+            model_path, offload=ref.param_offload, dtype=getattr(torch, dtype),
+            **model_options(ref.megatron, "ref.megatron"),
         )  # fmt: skip
         self.dp_size, self.dp_rank, self.dp_group = data_parallel_info()
 
@@ -346,10 +378,10 @@ class ReferenceWorker:
         offloaded = self.model.offloaded
         if offloaded:
             self.model.onload()
-        mbs = self.cfg.ref.log_prob_micro_batch_size_per_gpu or self.cfg.actor.ppo_micro_batch_size_per_gpu
+        mbs = self.ref_cfg.log_prob_micro_batch_size_per_gpu
         out = compute.compute_log_probs(
-            self.model.chunks, _tensors(data, COMPUTE_KEYS), mbs, temperature=self.cfg.rollout.temperature or 1.0,
-            vocab_size=self.model.shape.vocab_size, share_prefix=self.cfg.actor.share_prompt_prefix,
+            self.model.chunks, _tensors(data, COMPUTE_KEYS), mbs, temperature=self.temperature or 1.0,
+            vocab_size=self.model.shape.vocab_size, share_prefix=self.share_prefix,
         )  # fmt: skip
         if offloaded:
             self.model.offload()
@@ -357,12 +389,18 @@ class ReferenceWorker:
 
 
 class RewardModelWorker:
-    """A frozen scalar reward model: its score at each response's last valid token."""
+    """A frozen scalar reward model: its score at each response's last valid token.
 
-    def __init__(self, cfg: RunConfig, model_path: str) -> None:
-        self.cfg = cfg
-        self.model = roles.build_reward_model(model_path, dtype=getattr(torch, cfg.model.dtype))
-        if cfg.reward.model.param_offload:
+    Args:
+        reward_model: the run's ``reward.model`` section.
+        model_path: its checkpoint folder (resolved: a Hub name downloaded).
+        dtype: ``model.dtype``.
+    """
+
+    def __init__(self, reward_model: RewardModelConfig, model_path: str, dtype: str) -> None:
+        self.rm_cfg = reward_model
+        self.model = roles.build_reward_model(model_path, dtype=getattr(torch, dtype))
+        if reward_model.param_offload:
             self.model.offload()
         self.dp_size, self.dp_rank, self.dp_group = data_parallel_info()
 
@@ -372,7 +410,7 @@ class RewardModelWorker:
         offloaded = self.model.offloaded
         if offloaded:
             self.model.onload()
-        mbs = self.cfg.reward.model.micro_batch_size_per_gpu
+        mbs = self.rm_cfg.micro_batch_size_per_gpu
         # compute_values reads response token t's value where t is predicted (p + t - 1); the reward model's
         # score belongs to the last token itself, so the batch gets one more (padding) response column and
         # the score is read at index last + 1: the output at the response's last real token, as HF's sequence
@@ -401,8 +439,3 @@ class RewardModelWorker:
 def _param_norm(params) -> float:
     """L2 norm of this rank's parameter shards (a cheap fingerprint that the weights changed)."""
     return float(torch.stack([p.detach().float().norm() for p in params]).norm())
-
-
-def _announce(line: str) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(f"[hybridrl] {line}", flush=True)

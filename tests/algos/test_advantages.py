@@ -90,6 +90,8 @@ def test_every_estimator_through_compute_advantages(name):
         gamma=0.99,
         lam=0.95,
         norm_adv_by_std_in_grpo=True,
+        pass_k=2,
+        pass_threshold=1.0,
         epsilon=1e-6,
         whiten=True,
     )

@@ -23,6 +23,7 @@ from hybridrl.config import (
     validate,
 )
 from hybridrl.config.checks import CHECKS
+from hybridrl.config.layout import options_of, run_layout
 from hybridrl.distributed.layout import ParallelLayout
 
 CONFIG_DIR = Path(loader.__file__).resolve().parents[2] / "configs"
@@ -59,8 +60,11 @@ def test_packaged_config_loads_and_fits_its_world(name):
     world = t.nnodes * t.n_gpus_per_node
     layout = ParallelLayout.from_world(world, tp=m.tp_size, pp=m.pp_size, cp=m.cp_size, ep=m.ep_size, vpp=m.vpp_size)
     assert layout.dp == m.dp_size
+    assert run_layout(cfg) == layout.with_rollout_tp(cfg.rollout.tp_size)  # the run's one layout
     assert sum(cfg.resources.process_on_nodes) == world
-    assert cfg.ref.megatron.tp_size == m.tp_size and cfg.critic.megatron.pp_size == m.pp_size
+    for role in (cfg.ref, cfg.critic):  # options only; they start from the actor's
+        assert isinstance(role.megatron, schema_roles.MegatronOptionsConfig)
+        assert role.megatron.recompute_granularity == m.recompute_granularity
     validate(cfg, world)
 
 
@@ -144,7 +148,7 @@ def test_overrides_set_scalars_lists_and_win_left_to_right():
         ],
     )
     assert cfg.actor.megatron.tp_size == 4 and cfg.actor.megatron.dp_size == 2
-    assert cfg.ref.megatron.tp_size == 4 and cfg.critic.megatron.dp_size == 2  # roles follow the actor
+    assert run_layout(cfg).tp == 4 and run_layout(cfg).dp == 2  # one layout: every role's
     assert cfg.trainer.loggers == ["console", "jsonl"]
     assert cfg.data.train_files == ["a.parquet", "b.parquet"]
     assert cfg.rollout.stop == ["</s>", "###"]
@@ -156,8 +160,35 @@ def test_overrides_set_scalars_lists_and_win_left_to_right():
 def test_role_megatron_keys_override_the_actors():
     cfg = load_config("tiny_cpu.yaml", ["critic.megatron.recompute_granularity=selective"])
     assert cfg.critic.megatron.recompute_granularity == "selective"
-    assert cfg.critic.megatron.tp_size == 2  # inherited, not the dataclass default 1
     assert cfg.actor.megatron.recompute_granularity is None and cfg.ref.megatron.recompute_granularity is None
+    cfg = load_config(P7, ["critic.megatron.recompute_granularity=selective", "critic.megatron.recompute_method=null",
+                           "critic.megatron.recompute_num_layers=null"])  # fmt: skip
+    assert cfg.critic.megatron.sequence_parallel  # inherited from actor.megatron, not the dataclass default false
+    assert cfg.ref.megatron == options_of(cfg.actor.megatron)
+
+
+def test_layout_keys_under_a_role_load_with_a_note_or_fail(tmp_path, capsys):
+    """Layout keys are actor.megatron's; YAML written with them under ref / critic (as the old schema allowed)
+    still loads when they repeat the actor's, and names both values when they differ."""
+    old = "actor:\n  megatron:\n    tp_size: 2\nref:\n  megatron:\n    tp_size: 2\n    dp_size: 1\n"
+    old += "critic:\n  megatron:\n    pp_size: 1\n    recompute_granularity: selective\n"
+    path = _write(tmp_path, old)
+    cfg = load_config(str(path), [*MINIMAL, "trainer.n_gpus_per_node=2"])
+    assert cfg.critic.megatron.recompute_granularity == "selective"
+    assert cfg == load_config(None, [*MINIMAL, "trainer.n_gpus_per_node=2", "actor.megatron.tp_size=2",
+                                     "critic.megatron.recompute_granularity=selective"])  # fmt: skip
+    notes = capsys.readouterr().err.strip().splitlines()
+    assert notes == [
+        f"[hybridrl] note: {key} ({value}) (in {path}) is ignored: the layout keys moved to actor.megatron, which "
+        "every role shares; remove it"
+        for key, value in (("ref.megatron.tp_size", 2), ("ref.megatron.dp_size", 1), ("critic.megatron.pp_size", 1))
+    ]
+    assert _error(P7, ["critic.megatron.tp_size=1"]) == (
+        "critic.megatron.tp_size (1) must equal actor.megatron.tp_size (2): all roles share the actor's process "
+        "groups; remove critic.megatron.tp_size (from override 'critic.megatron.tp_size=1')"
+    )
+    assert _error(P7, ["ref.megatron.dp_size=2"]).startswith("ref.megatron.dp_size (2) must equal "
+                                                            "actor.megatron.dp_size (4)")  # fmt: skip
 
 
 def test_world_size_argument(tmp_path):
@@ -189,7 +220,8 @@ def test_actor_rollout_alias(tmp_path):
         ("actor.tp_size=4", "did you mean 'actor.megatron.tp_size'?"),
         ("critic.optim.weight_decy=0.1", "did you mean 'critic.optim.weight_decay'?"),
         ("model.architecture.hiden_size=64", "did you mean 'model.architecture.hidden_size'?"),
-        ("ref.megatron.pp_sise=2", "did you mean 'ref.megatron.pp_size'?"),
+        ("ref.megatron.pp_sise=2", "did you mean 'actor.megatron.pp_size'?"),  # the layout's one home
+        ("ref.megatron.recompute_granularty=full", "did you mean 'ref.megatron.recompute_granularity'?"),
         ("actor_rollout_ref.rollout.n=4", "did you mean 'rollout.n'?"),
         ("trainer.logger=[console]", "did you mean 'trainer.loggers'?"),
     ],
@@ -257,8 +289,6 @@ CASES = [
     (P7, ["actor.megatron.tp_size=3"], "actor.megatron: world_size(8) is not divisible by tp(3) * pp(1) * cp(1) = 3; "
      "choose sizes whose product divides the number of ranks"),
     (TINY, ["actor.megatron.vpp_size=2"], "actor.megatron: vpp (2) > 1 needs pp > 1 (got pp=1); set vpp=1 or raise pp"),
-    (P7, ["critic.megatron.tp_size=1"], "critic.megatron.tp_size (1) must equal actor.megatron.tp_size (2): all roles "
-     "share the actor's process groups; remove critic.megatron.tp_size"),
     (P7, ["actor.megatron.tp_size=1", "rollout.tp_size=1"],
      "actor.megatron.sequence_parallel (true) needs tp_size > 1 (got 1); set actor.megatron.sequence_parallel=false"),
     (P7, ["data.max_prompt_length=511"], "actor.megatron.sequence_parallel (true) splits each sequence over tp_size "
@@ -288,7 +318,8 @@ CASES = [
      "in one process per device (several processes per device need a Ray backend, not built yet); set "
      "resources.max_colocate_count=1"),
     # rollout layout
-    (P7, ["rollout.tp_size=3"], "rollout.tp_size (3) must divide the world size (8)"),
+    (P7, ["rollout.tp_size=3"], "rollout.tp_size: rollout_tp (3) must divide world_size (8): vLLM engines tile the "
+     "world; choose a divisor of it"),
     (TINY, ["trainer.n_gpus_per_node=8", "actor.megatron.pp_size=2", "rollout.tp_size=8"],
      "model.architecture.num_attention_heads (4) must be divisible by rollout.tp_size (8); choose a rollout.tp_size "
      "that divides it"),
@@ -329,8 +360,8 @@ CASES = [
     (TINY, ["actor.clip_ratio_low=0"], "actor.clip_ratio_low (0.0) must be in (0.0, 1.0)"),
     (TINY, ["actor.clip_ratio_high=-0.1"], "actor.clip_ratio_high (-0.1) must be positive"),
     (TINY, ["actor.clip_ratio_c=1.0"], "actor.clip_ratio_c (1.0) must be > 1 (dual-clip bound), e.g. 3.0"),
-    (TINY, ["actor.policy_loss.loss_mode=gspo"], "actor.policy_loss.loss_mode ('gspo') must be one of 'ppo_clip', "
-     "'vanilla', 'custom'"),
+    (TINY, ["actor.policy_loss.loss_mode=dpo"], "actor.policy_loss.loss_mode ('dpo') must be one of 'ppo_clip', "
+     "'vanilla', 'gspo', 'cispo', 'gpg', 'clip_cov', 'kl_cov', 'custom'"),
     (TINY, ["actor.policy_loss.loss_mode=custom"], "actor.policy_loss.loss_mode 'custom' needs actor.policy_loss.path "
      "(a .py file defining actor.policy_loss.name 'compute_policy_loss'); set it"),
     (TINY, ["actor.policy_loss.path=my_loss.py"], "actor.policy_loss.path ('my_loss.py') is used with "
@@ -353,7 +384,7 @@ CASES = [
      "set ref.enable=null"),
     # choices, counts, optimizer, sampling, lengths
     (TINY, ["algorithm.adv_estimator=gea"], "algorithm.adv_estimator ('gea') must be one of 'gae', 'grpo', 'rloo', "
-     "'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'remax'; did you mean 'gae'?"),
+     "'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'remax', 'gpg', 'pass_at_k'; did you mean 'gae'?"),
     (TINY, ["model.dtype=bf16"], "model.dtype ('bf16') must be one of 'bfloat16', 'float16', 'float32'; "
      "did you mean 'bfloat16'?"),
     (TINY, ["trainer.loggers=[console,wandbb]"], "trainer.loggers[1] ('wandbb') must be one of 'console', 'jsonl', "

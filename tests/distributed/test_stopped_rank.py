@@ -27,14 +27,12 @@ def _group_timeouts(rank: int, world: int) -> dict[str, list[float]]:
 
     from hybridrl.distributed import ParallelLayout, init_model_parallel
     from hybridrl.distributed.env import apply_collective_timeout
-    from hybridrl.mcore.parallel_state import rollout_replica_info
 
     def seconds(groups) -> list[float]:
         return sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups})
 
     # the default group of run_ranks has timeout_s (init_distributed); Megatron's and the replica groups follow it
-    init_model_parallel(ParallelLayout.from_world(world, tp=2), seed=0)
-    rollout_replica_info(2)
+    init_model_parallel(ParallelLayout.from_world(world, tp=2, rollout_tp=2), seed=0)  # + the replica groups
     made = seconds(c10d._world.pg_map)
     library = torch.distributed.new_group([0, 1])  # a group made without a timeout (as a library might)
     before = seconds([library])

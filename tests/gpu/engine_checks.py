@@ -185,7 +185,7 @@ def section_switch(report: Report, device: torch.device) -> dict:
                 if f.endswith(".safetensors"):
                     hf.update(load_file(os.path.join(path, f)))
             actor = roles.build_actor(path)
-            engine = HybridEngine.from_role(actor, rollout_tp=1, bucket_bytes=1 << 16)
+            engine = HybridEngine.from_role(actor, ParallelLayout.from_world(1), bucket_bytes=1 << 16)
             want = layouts.vllm_tensors(hf, actor.shape, 1, 0, False, pad_value=0.0)
             flat = engine.to_rollout()
             bad = [n for n in want if not torch.equal(flat[n].cpu(), want[n])]
@@ -241,7 +241,7 @@ def section_vllm(report: Report, device: torch.device, dry: bool) -> dict:
         )  # fmt: skip
         result["start_s"] = engine.start_s
         mega = compute.compute_log_probs(actor.chunks, seqs, 1, vocab_size=actor.shape.vocab_size)["log_probs"]
-        hybrid = HybridEngine.from_role(actor, rollout_tp=1, pad_vocab=True, bucket_bytes=1 << 20)
+        hybrid = HybridEngine.from_role(actor, ParallelLayout.from_world(1), pad_vocab=True, bucket_bytes=1 << 20)
         switch = RolloutSwitch(hybrid, engine, actor, weight_sync="shards", free_cache_engine=True, param_offload=True)
         report.check("vllm.asleep_from_the_start", dry or engine.is_sleeping, sleeps=switch.sleeps)
 

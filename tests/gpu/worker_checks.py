@@ -107,15 +107,26 @@ def _parked(worker) -> dict[str, bool]:
             "optimizer_state_on_host": bool(state) and all(v.device.type == "cpu" for v in state)}  # fmt: skip
 
 
+def _critic_class(cfg, score_path: str):
+    """The critic worker with the arguments the trainer's ``role_workers`` gives it."""
+    from hybridrl.config.checks import optimizer_steps
+    from hybridrl.workers import ClassWithInitArgs
+    from hybridrl.workers.megatron_workers import CriticWorker
+
+    steps = optimizer_steps(cfg, "critic")
+    return ClassWithInitArgs(
+        CriticWorker, cfg.critic, score_path, cfg.model.dtype, steps, cfg.rollout.n, cfg.actor.shuffle
+    )
+
+
 def _critic(report: Report, pool, backend: str, score_path: str, batch: dict, ref: dict, tmp: str) -> None:
     from hybridrl.mcore.checkpoint import load_role, save_role
     from hybridrl.protocol import DataProto
-    from hybridrl.workers import ClassWithInitArgs, WorkerGroup
-    from hybridrl.workers.megatron_workers import CriticWorker
+    from hybridrl.workers import WorkerGroup
 
     cuda, name, mask = torch.cuda.is_available(), f"workers.critic_{backend}", batch["response_mask"]
     cfg = _config(score_path, backend)
-    group = WorkerGroup(pool, ClassWithInitArgs(CriticWorker, cfg, score_path))
+    group = WorkerGroup(pool, _critic_class(cfg, score_path))
     w = group.worker
     values = group.compute_values(DataProto.from_dict(tensors=batch)).batch["values"]
     diff = _diff(values, ref["values"], mask)
@@ -145,7 +156,7 @@ def _critic(report: Report, pool, backend: str, score_path: str, batch: dict, re
     with w.resident():  # parked weights are zero-size DDP storage: the save must find them home
         save_role(w.model, w.optimizer, path)
     parked_again = all(_parked(w).values()) if cuda else True
-    fresh_group = WorkerGroup(pool, ClassWithInitArgs(CriticWorker, cfg, score_path))
+    fresh_group = WorkerGroup(pool, _critic_class(cfg, score_path))
     fresh = fresh_group.worker
     restored = load_role(fresh.model, fresh.optimizer, path)  # torch backend: the agreement all-reduce
     loaded = _weights(fresh)
@@ -164,7 +175,7 @@ def _critic(report: Report, pool, backend: str, score_path: str, batch: dict, re
 
 def section_workers(report: Report, device: torch.device) -> dict:
     try:
-        import hybridrl.config  # noqa: F401  (the workers take a RunConfig)
+        import hybridrl.config  # noqa: F401  (the workers take config sections)
     except ModuleNotFoundError as e:
         raise RuntimeError(f"{e}: add the omegaconf wheel to .whl/ (tests/gpu/README.md)") from e
     from hybridrl.distributed import ParallelLayout, init_model_parallel
@@ -190,14 +201,15 @@ def section_workers(report: Report, device: torch.device) -> dict:
                 torch.cuda.empty_cache()
 
         cfg = _config(score, "torch")
-        group = WorkerGroup(pool, ClassWithInitArgs(ReferenceWorker, cfg, lm))
+        ref_args = (cfg.ref, lm, cfg.model.dtype, cfg.rollout.temperature)  # what the trainer's role_workers passes
+        group = WorkerGroup(pool, ClassWithInitArgs(ReferenceWorker, *ref_args))
         lp = group.compute_ref_log_prob(DataProto.from_dict(tensors=batch)).batch["ref_log_probs"]
         diff = _diff(lp, ref["ref_log_probs"], mask)
         home = group.worker.model.offloaded and all(p.device.type == "cpu" for p in group.worker.model.parameters())
         report.check("workers.reference.compute_ref_log_prob", _on_cpu(lp, tuple(mask.shape)) and diff <= PARITY_TOL
                      and home, device=str(lp.device), max_abs_diff=diff, offloaded_again=home)  # fmt: skip
 
-        group = WorkerGroup(pool, ClassWithInitArgs(RewardModelWorker, cfg, score))
+        group = WorkerGroup(pool, ClassWithInitArgs(RewardModelWorker, cfg.reward.model, score, cfg.model.dtype))
         rm = group.compute_rm_score(DataProto.from_dict(tensors=batch)).batch["rm_scores"]
         diff = _diff(rm, ref["rm_scores"])
         home = group.worker.model.offloaded

@@ -56,11 +56,12 @@ def _body(rank: int, world_size: int, paths: dict) -> dict:
             if f.endswith(".safetensors"):
                 hf.update(load_file(os.path.join(path, f)))
         for tp, pp in LAYOUTS:
-            init_model_parallel(ParallelLayout.from_world(world_size, tp=tp, pp=pp))
+            layout = ParallelLayout.from_world(world_size, tp=tp, pp=pp)
+            init_model_parallel(layout)
             actor = roles.build_actor(path)
             storages = {p.untyped_storage().data_ptr() for p in actor.parameters()}
             for tp_i in ROLLOUT_TP:
-                engine = HybridEngine.from_role(actor, rollout_tp=tp_i, bucket_bytes=BUCKET_BYTES)
+                engine = HybridEngine.from_role(actor, layout.with_rollout_tp(tp_i), bucket_bytes=BUCKET_BYTES)
                 counts.clear()
                 out = engine.to_rollout()
                 calls = sum(counts.values())
@@ -119,7 +120,27 @@ def _body(rank: int, world_size: int, paths: dict) -> dict:
                 t.fill_(float("nan"))
             rebound = engine.to_rollout()
             report[(arch, tp, pp, "rebound")] = [n for n in want if not torch.equal(rebound[n], want[n])]
+    report["wrong_layout"] = _wrong_layouts(actor, layout)  # the last one: tp 2 x pp 2
     return report
+
+
+def _wrong_layouts(actor, layout) -> list[str]:
+    """The errors of a layout that is not the one the groups were built from (one line each, naming both)."""
+    from hybridrl.distributed import LayoutError, ParallelLayout
+    from hybridrl.hybrid_engine import HybridEngine
+    from hybridrl.mcore.parallel_state import rollout_replica_info
+
+    out = []
+    for call in (
+        lambda: HybridEngine.from_role(actor, ParallelLayout.from_world(layout.world_size, tp=1, pp=2)),
+        lambda: rollout_replica_info(layout.with_rollout_tp(2)),  # the replica groups were built for rollout tp 1
+    ):
+        try:
+            call()
+            out.append("accepted")
+        except LayoutError as e:
+            out.append(str(e))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +153,15 @@ def reports(tmp_path_factory):
 
 
 CASES = [(arch, tp, pp, tp_i) for arch in ("llama", "qwen2") for tp, pp in LAYOUTS for tp_i in ROLLOUT_TP]
+
+
+@pytest.mark.multirank
+def test_a_layout_other_than_the_groups_is_refused(reports):
+    for report in reports:
+        engine, replicas = report["wrong_layout"]
+        assert engine.startswith("layout.tp (1) != the initialised parallel state's (2); pass the layout"), engine
+        assert replicas.startswith("the rollout replica groups were built for rollout tp=1 x 4 replicas, not "
+                                   "rollout tp=2 x 2 replicas"), replicas  # fmt: skip
 
 
 @pytest.mark.multirank

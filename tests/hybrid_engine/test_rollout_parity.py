@@ -80,10 +80,11 @@ def _body(rank: int, world: int, path: str, export_dir: str) -> dict:
     seqs = _sequences()
     out = {}
     for tp, pp in LAYOUTS:
-        init_model_parallel(ParallelLayout.from_world(world, tp=tp, pp=pp))
+        layout = ParallelLayout.from_world(world, tp=tp, pp=pp)
+        init_model_parallel(layout)
         actor = roles.build_actor(path)
         shards = tp == 2
-        hybrid = HybridEngine.from_role(actor, rollout_tp=1, bucket_bytes=1 << 20, pad_vocab=shards)
+        hybrid = HybridEngine.from_role(actor, layout, bucket_bytes=1 << 20, pad_vocab=shards)
 
         def push(hybrid=hybrid, shards=shards):
             if shards:

@@ -71,10 +71,11 @@ def _body(rank: int, world: int, path: str) -> dict:
     seqs = _sequences()
     out = {}
     for tp, pp in LAYOUTS:
-        init_model_parallel(ParallelLayout.from_world(world, tp=tp, pp=pp))
+        layout = ParallelLayout.from_world(world, tp=tp, pp=pp, rollout_tp=2)
+        init_model_parallel(layout)
         actor = roles.build_actor(path)
         # 64 KiB of transport: the 64 KiB vocab shards stream through several buckets
-        hybrid = HybridEngine.from_role(actor, rollout_tp=2, bucket_bytes=BUCKET, pad_vocab=True)
+        hybrid = HybridEngine.from_role(actor, layout, bucket_bytes=BUCKET, pad_vocab=True)
         shards = hybrid.to_rollout()
         full = _full_hf(path)
         cut_diff = max((shards[n] - _vllm_cut(full, n, rank, 2, cfg)).abs().max().item() for n in shards)

@@ -43,7 +43,11 @@ def test_trainer_reaches_the_switch_only_through_the_worker_group():
     called = {
         n.attr
         for n in ast.walk(tree)
-        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "actor"
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Attribute)
+        and n.value.attr == "actor"
+        and isinstance(n.value.value, ast.Name)
+        and n.value.value.id == "self"  # the group, not cfg.actor
     }
     assert {"switch_to_rollout", "generate_sequences", "switch_to_training"} <= called, called
     unregistered = sorted(c for c in called if dispatch_mode_of(getattr(ActorRolloutWorker, c, None)) is None)
@@ -91,18 +95,18 @@ def _prompts():
 def _body(rank: int, world: int, path: str) -> dict:
     import dataclasses
 
-    from hybridrl.config import load_config
-    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.config import load_config, run_layout
+    from hybridrl.distributed import init_model_parallel
     from hybridrl.hybrid_engine import RolloutSwitch
     from hybridrl.mcore import compute
     from hybridrl.protocol import DataProto
-    from hybridrl.workers import ClassWithInitArgs, ResourcePool, WorkerGroup
-    from hybridrl.workers.megatron_workers import ActorRolloutWorker
+    from hybridrl.trainer.rl_trainer import role_workers
+    from hybridrl.workers import ResourcePool, WorkerGroup
 
     cfg = load_config("tiny_cpu.yaml", ["trainer.n_gpus_per_node=2", "model.dtype=float32"], world_size=world)
-    m = cfg.actor.megatron
-    init_model_parallel(ParallelLayout.from_world(world, tp=m.tp_size, pp=m.pp_size), seed=cfg.trainer.seed)
-    group = WorkerGroup(ResourcePool(process_on_nodes=[world]), ClassWithInitArgs(ActorRolloutWorker, cfg, path))
+    layout = run_layout(cfg, world)  # as hybridrl train builds and passes it
+    init_model_parallel(layout, seed=cfg.trainer.seed)
+    group = WorkerGroup(ResourcePool(process_on_nodes=[world]), role_workers(cfg, layout, path)["actor"])
     w = group.worker
     pushes: list[tuple[str, float]] = []  # every push the engine receives (the real methods still run)
 
@@ -150,7 +154,7 @@ def _body(rank: int, world: int, path: str) -> dict:
     switch("engine_lost_weights")
     group.switch_to_training()
     hf = RolloutSwitch.build(
-        w.model, w.optimizer, w.rollout, dataclasses.replace(cfg.rollout, weight_sync="hf"), torch.float32
+        w.model, w.optimizer, w.rollout, dataclasses.replace(cfg.rollout, weight_sync="hf"), layout, torch.float32
     )
     switch("hf", lambda: hf.to_rollout(w.version))
     hf.to_training()

@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 
 from hybridrl.config.schema_roles import RolloutConfig
 from hybridrl.data.tokenizers import load_tokenizer
+from hybridrl.distributed import ParallelLayout
 from hybridrl.rollout import VLLMRolloutEngine
 from hybridrl.rollout.vllm_engine import end_token_ids, stop_string_tokenizer
 from tests.data.tiny_tokenizers import hf_tokenizer, sp_tokenizer
@@ -35,7 +36,7 @@ def setup(tmp_path_factory):
         json.dump({"eos_token_id": GEN_EOS}, f)
     tokenizer = load_tokenizer(folder)
     cfg = RolloutConfig(response_length=8, seed=0, max_model_len=64, dtype="float32", stop=["placeholder"])
-    engine = VLLMRolloutEngine.from_config(cfg, _config(), tokenizer, str(folder))
+    engine = VLLMRolloutEngine.from_config(cfg, ParallelLayout.from_world(1), _config(), tokenizer, str(folder))
     engine.update_weights(_hf_model(0).state_dict().items())
     yield engine, tokenizer, folder
     engine.close()

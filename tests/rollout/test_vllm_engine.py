@@ -322,6 +322,7 @@ def test_bad_input_errors(engine):
 
 def test_from_config_maps_rollout_fields():
     from hybridrl.config.schema_roles import RolloutConfig
+    from hybridrl.distributed import ParallelLayout
 
     class Recorder(VLLMRolloutEngine):
         def __init__(self, hf_config, **kwargs):  # records the arguments instead of starting vLLM
@@ -329,12 +330,14 @@ def test_from_config_maps_rollout_fields():
 
     cfg = RolloutConfig(tp_size=2, n=4, temperature=0.8, top_k=5, response_length=32, max_model_len=96, seed=3)
     cfg.dtype, cfg.max_num_seqs = "float32", 8
-    got = Recorder.from_config(cfg, _config(), pad_token_id=2).kwargs
+    layout = ParallelLayout.from_world(4, rollout_tp=2)  # the engine's TP and replica come from the run's layout
+    got = Recorder.from_config(cfg, layout, _config(), pad_token_id=2).kwargs
     assert got["tensor_parallel_size"] == 2 and got["max_model_len"] == 96 and got["seed"] == 3
+    assert got["replica"] == 0 and got["distributed_executor_backend"] == "external_launcher"
     assert got["sampling"] == dict(temperature=0.8, top_p=1.0, top_k=5, n=4, max_tokens=32)
     assert got["max_num_seqs"] == 8 and got["pad_token_id"] == 2 and got["dtype"] == "float32"
     with pytest.raises(ValueError, match="load_config"):
-        Recorder.from_config(RolloutConfig(), _config())
+        Recorder.from_config(RolloutConfig(), layout, _config())
 
 
 def test_start_up_memory_refusal_is_explained():

@@ -44,20 +44,21 @@ def _batch(seed: int, vocab: int) -> dict[str, torch.Tensor]:
 def main(model_path: str, ckpt: str, result_file: str) -> None:
     import torch.distributed as dist
 
-    from hybridrl.config import load_config
-    from hybridrl.distributed import ParallelLayout, init_distributed, init_model_parallel
+    from hybridrl.config import load_config, run_layout
+    from hybridrl.distributed import init_distributed, init_model_parallel
     from hybridrl.protocol import DataProto
-    from hybridrl.workers import ClassWithInitArgs, ResourcePool, WorkerGroup
-    from hybridrl.workers.megatron_workers import CriticWorker
+    from hybridrl.trainer.rl_trainer import role_workers
+    from hybridrl.workers import ResourcePool, WorkerGroup
     from tests.mcore import hf_tiny
 
     init_distributed()
     cfg = load_config("tiny_cpu.yaml", OVERRIDES, world_size=2)
-    init_model_parallel(ParallelLayout.from_world(2, tp=cfg.actor.megatron.tp_size), seed=cfg.trainer.seed)
+    layout = run_layout(cfg, 2)
+    init_model_parallel(layout, seed=cfg.trainer.seed)
     pool = ResourcePool(process_on_nodes=[2])
 
     def critic() -> WorkerGroup:
-        return WorkerGroup(pool, ClassWithInitArgs(CriticWorker, cfg, model_path))
+        return WorkerGroup(pool, role_workers(cfg, layout, model_path)["critic"])
 
     def update(group: WorkerGroup, seed: int) -> dict:
         batch = _batch(seed, hf_tiny.VOCAB)

@@ -167,7 +167,7 @@ def _body(rank: int, world: int, root: str) -> dict:
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     import torch.distributed as dist
 
-    from hybridrl import cli
+    from hybridrl import cli, errors
     from hybridrl.trainer import rl_trainer
     from hybridrl.trainer.checkpoint import CheckpointManager, ResumeError
 
@@ -198,7 +198,7 @@ def _body(rank: int, world: int, root: str) -> dict:
                 manager.maybe_resume()
             result = {"resumed": manager.resumed_from}
         except ResumeError as err:
-            result = {"error": str(err), "kind": cli._input_error_kind(err)}
+            result = {"error": str(err), "kind": errors.kind_of(err)}
         dist.barrier()
         out[name] = {**result, "console": console.getvalue(), "ran": (case / MARKER).exists()}
     return out

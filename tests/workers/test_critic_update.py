@@ -48,17 +48,18 @@ def _batch(seed: int = 3) -> dict[str, torch.Tensor]:
 
 
 def _body(rank: int, world: int, path: str, batch: dict) -> dict:
-    from hybridrl.config import load_config
-    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.config import load_config, run_layout
+    from hybridrl.distributed import init_model_parallel
     from hybridrl.protocol import DataProto
-    from hybridrl.workers import ClassWithInitArgs, ResourcePool, WorkerGroup
-    from hybridrl.workers.megatron_workers import CriticWorker
+    from hybridrl.trainer.rl_trainer import role_workers
+    from hybridrl.workers import ResourcePool, WorkerGroup
 
-    init_model_parallel(ParallelLayout.from_world(world, tp=1))
+    layout = run_layout(load_config("tiny_cpu.yaml", BASE, world_size=world), world)
+    init_model_parallel(layout)
 
     def update(overrides: list[str]) -> tuple[list, dict]:
         cfg = load_config("tiny_cpu.yaml", BASE + overrides, world_size=world)
-        critic = WorkerGroup(ResourcePool(process_on_nodes=[world]), ClassWithInitArgs(CriticWorker, cfg, path))
+        critic = WorkerGroup(ResourcePool(process_on_nodes=[world]), role_workers(cfg, layout, path)["critic"])
         values = critic.compute_values(DataProto.from_dict(tensors=batch)).batch["values"]
         data = DataProto.from_dict(tensors={**batch, "values": values})  # old values = current: the clip is idle
         return values.tolist(), critic.update_critic(data).meta_info["metrics"]

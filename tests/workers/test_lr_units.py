@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 
 from hybridrl.config import load_config
-from hybridrl.workers.megatron_workers import optim_config, optimizer_steps
+from hybridrl.config.checks import optimizer_steps
+from hybridrl.workers.megatron_workers import optim_config
 
 
 def test_schedule_spans_the_whole_run_in_updates():
@@ -19,9 +20,9 @@ def test_schedule_spans_the_whole_run_in_updates():
          "actor.optim.lr=1.0", "actor.optim.min_lr=0.0", "actor.optim.lr_warmup_ratio=0.1"],
         world_size=2,
     )  # fmt: skip
-    assert optimizer_steps(cfg, cfg.actor) == 10 * (8 // 2) * 2 == 80  # 2 prompts = 4 responses per update
-    assert optimizer_steps(cfg, cfg.critic) == 10 * (8 // 4) * 1 == 20
-    schedule = optim_config(cfg.actor.optim, optimizer_steps(cfg, cfg.actor)).schedule()
+    assert optimizer_steps(cfg, "actor") == 10 * (8 // 2) * 2 == 80  # 2 prompts = 4 responses per update
+    assert optimizer_steps(cfg, "critic") == 10 * (8 // 4) * 1 == 20
+    schedule = optim_config(cfg.actor.optim, optimizer_steps(cfg, "actor")).schedule()
     per_step = 8
     assert schedule(0) == 1.0 / 8  # warmup: 10% of 80 updates
     # halfway through the run (trainer step 5 of 10), a cosine from 1 to 0 after 8 warmup updates is near 0.5

@@ -15,6 +15,7 @@ from tests.multirank import run_ranks
 
 
 def _body(rank: int, world: int, path: str) -> dict:
+    from hybridrl.config.schema_roles import MegatronOptionsConfig
     from hybridrl.distributed import ParallelLayout, init_model_parallel
     from hybridrl.mcore import compute, roles
     from hybridrl.workers.megatron_workers import model_options
@@ -27,7 +28,7 @@ def _body(rank: int, world: int, path: str) -> dict:
         ("plain", dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None)),
         ("full", dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
     ):
-        section = types.SimpleNamespace(sequence_parallel=False, **m)
+        section = MegatronOptionsConfig(**m)
         actor = roles.build_actor(path, **model_options(section, "actor.megatron"))
         for chunk in actor.chunks:
             chunk.train()
@@ -49,15 +50,16 @@ def test_recompute_reaches_megatron_and_keeps_gradients(tmp_path):
 
 
 def test_sequence_parallel_without_transformer_engine_is_refused(monkeypatch):
+    from hybridrl.config.schema_roles import MegatronOptionsConfig
     from hybridrl.mcore import gpt
     from hybridrl.workers.megatron_workers import model_options, optim_config
 
     monkeypatch.setattr(gpt, "use_transformer_engine", lambda: False)
-    section = types.SimpleNamespace(
-        sequence_parallel=True, recompute_granularity=None, recompute_method=None, recompute_num_layers=None
-    )
     with pytest.raises(ValueError, match=r"^critic.megatron.sequence_parallel \(true\) needs TransformerEngine"):
-        model_options(section, "critic.megatron")
+        model_options(MegatronOptionsConfig(sequence_parallel=True), "critic.megatron")
+    # a role's batch_p2p_comm reaches its TransformerConfig when set; null leaves the backend's default
+    assert model_options(MegatronOptionsConfig(batch_p2p_comm=False), "ref.megatron") == {"batch_p2p_comm": False}
+    assert model_options(MegatronOptionsConfig(), "ref.megatron") == {}
     from hybridrl.config.schema_roles import OptimConfig as OptimSection
 
     optim = OptimSection(lr=1.0)

@@ -18,17 +18,18 @@ pytestmark = pytest.mark.multirank
 
 
 def _body(rank: int, world: int, path: str, batch: dict) -> list[float]:
-    from hybridrl.config import load_config
-    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.config import load_config, run_layout
+    from hybridrl.distributed import init_model_parallel
     from hybridrl.protocol import DataProto
-    from hybridrl.workers import ClassWithInitArgs, ResourcePool, WorkerGroup
-    from hybridrl.workers.megatron_workers import RewardModelWorker
+    from hybridrl.trainer.rl_trainer import role_workers
+    from hybridrl.workers import ResourcePool, WorkerGroup
 
     overrides = ["reward.model.enable=true", f"reward.model.path={path}", "reward.model.micro_batch_size_per_gpu=1",
                  "reward.model.param_offload=true"]  # fmt: skip
     cfg = load_config("tiny_cpu.yaml", overrides, world_size=world)
-    init_model_parallel(ParallelLayout.from_world(world, tp=2))
-    rm = WorkerGroup(ResourcePool(process_on_nodes=[world]), ClassWithInitArgs(RewardModelWorker, cfg, path))
+    layout = run_layout(cfg, world)  # tiny_cpu: TP 2
+    init_model_parallel(layout)
+    rm = WorkerGroup(ResourcePool(process_on_nodes=[world]), role_workers(cfg, layout, path)["rm"])
     return rm.compute_rm_score(DataProto.from_dict(tensors=batch)).batch["rm_scores"].tolist()
 
 

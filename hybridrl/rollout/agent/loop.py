@@ -78,9 +78,9 @@ class AgentLoop:
         self._pool: cf.ThreadPoolExecutor | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any, engine: Any, tokenizer: Any) -> AgentLoop | None:
+    def from_config(cls, cfg: Any, engine: Any, tokenizer: Any, layout: Any = None) -> AgentLoop | None:
         """The loop of a ``rollout.agent`` section on ``engine``; None for single-turn runs. Collective at rollout
-        TP > 1 (every rank creates every engine's group, in order).
+        TP > 1 (every rank creates every engine's group, in order: ``layout.groups("rollout_tp")``).
 
         Raises:
             AgentError: see :func:`~hybridrl.rollout.agent.registry.load_agent` and ``check_chat``.
@@ -96,11 +96,13 @@ class AgentLoop:
         chat = check_chat(spec, tokenizer)
         tp, group, leader = engine.tensor_parallel_size, None, 0
         if tp > 1 and dist.is_initialized():
-            rank = dist.get_rank()
-            for first in range(0, dist.get_world_size(), tp):
-                g = dist.new_group(list(range(first, first + tp)), backend="gloo")
-                if first <= rank < first + tp:
-                    group, leader = g, first
+            rank, world = dist.get_rank(), dist.get_world_size()
+            engines = layout.groups("rollout_tp") if layout is not None else [
+                list(range(first, first + tp)) for first in range(0, world, tp)]  # fmt: skip
+            for ranks in engines:
+                g = dist.new_group(ranks, backend="gloo")
+                if rank in ranks:
+                    group, leader = g, ranks[0]
         return cls(engine, spec, chat, cfg, group=group, leader=leader)
 
     # ---- prompts and seeds -----------------------------------------------------------------------------------
