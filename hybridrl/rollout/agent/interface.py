@@ -108,7 +108,8 @@ class Step:
     reward: float | None = None
     """Reward for this turn; a trajectory's rewards are summed and given at its last policy token."""
     done: bool = False
-    """The trajectory ends after this turn."""
+    """The trajectory ends after this turn, finished (end reason "done"); a last turn (:attr:`Turn.last`) ends
+    anyway, with reason "max_turns" or "budget" unless done."""
 
 
 @dataclass(frozen=True)
@@ -278,9 +279,10 @@ class Environment:
 
     def step(self, turn: Turn) -> Step:
         """Answer a policy turn. Default: tool results as ``tool`` messages while the policy calls tools; the
-        first turn without a call (or the last turn) ends the trajectory with :meth:`reward`."""
-        if turn.tool_calls and not turn.last:
-            return Step(observation=tool_messages(turn.tool_results))
+        first turn without a call ends the trajectory (done) with :meth:`reward`. A last turn that still calls
+        tools gets its :meth:`reward` too, but is not done: the trajectory was cut (``max_turns`` or budget)."""
+        if turn.tool_calls:
+            return Step(reward=self.reward(turn)) if turn.last else Step(observation=tool_messages(turn.tool_results))
         return Step(reward=self.reward(turn), done=True)
 
     def reward(self, turn: Turn) -> float | None:

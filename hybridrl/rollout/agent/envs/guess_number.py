@@ -39,8 +39,8 @@ class GuessNumberEnvironment(Environment):
         guess = last_integer(turn.text)
         if guess == self.target:
             return Step(reward=max(0.1, 1.0 - 0.1 * turn.index), done=True)
-        if turn.last:
-            return Step(reward=0.0, done=True)
+        if turn.last:  # out of turns: not done, reward 0
+            return Step(reward=0.0)
         if guess is None:
             return Step(observation=f"Say one whole number between {self.low} and {self.high}.", reward=0.0)
         return Step(observation="Higher." if guess < self.target else "Lower.", reward=0.0)
