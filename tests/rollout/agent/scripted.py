@@ -10,6 +10,7 @@ user-defined pieces are the texts the policy writes.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -47,7 +48,7 @@ def chain_model(tok, chain: list[str], seed: int = 0):
 
     ids = [tok.eos_token_id if p == "EOS" else _piece(tok, p) for p in ["\n", *chain]]
     successor = torch.full((tok.vocab_size,), tok.eos_token_id)
-    for a, b in zip(ids, ids[1:], strict=False):
+    for a, b in itertools.pairwise(ids):
         successor[a] = b
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM._from_config(hf_config(tok), attn_implementation="eager", dtype=torch.float32)

@@ -13,20 +13,20 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import pytest
+import torch
 
 pytest.importorskip("vllm")
 
-from hybridrl.config.schema_roles import AgentConfig  # noqa: E402
-from hybridrl.data.tokenizers import render_default_chat  # noqa: E402
-from hybridrl.protocol import DataProto  # noqa: E402
-from hybridrl.rollout import VLLMRolloutEngine  # noqa: E402
-from hybridrl.rollout.agent.chat import with_tools_system  # noqa: E402
-from hybridrl.rollout.agent.loop import AgentLoop  # noqa: E402
-from hybridrl.rollout.agent.registry import load_agent  # noqa: E402
-from tests.rollout.agent import scripted  # noqa: E402
+from hybridrl.config.schema_roles import AgentConfig
+from hybridrl.data.tokenizers import render_default_chat
+from hybridrl.protocol import DataProto
+from hybridrl.rollout import VLLMRolloutEngine
+from hybridrl.rollout.agent.chat import with_tools_system
+from hybridrl.rollout.agent.loop import AgentLoop
+from hybridrl.rollout.agent.registry import load_agent
+from tests.rollout.agent import scripted
 
 MESSAGES = [{"role": "user", "content": "What is six times seven?"}]
 OBS = {"ok": "hi", "hang": "error: echo timed out after 0.5s", "raise": "error: echo raised RuntimeError: kaput",

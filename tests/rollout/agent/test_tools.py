@@ -11,7 +11,7 @@ import pytest
 
 from hybridrl.config.schema_roles import AgentConfig
 from hybridrl.rollout.agent import AgentError, Environment, Step, Turn, tool
-from hybridrl.rollout.agent.envs.calculator import CalculatorError, CalculatorEnvironment, evaluate
+from hybridrl.rollout.agent.envs.calculator import CalculatorEnvironment, CalculatorError, evaluate
 from hybridrl.rollout.agent.envs.guess_number import GuessNumberEnvironment
 from hybridrl.rollout.agent.episode import Trajectory, environment_turn, run_tool_calls
 from hybridrl.rollout.agent.interface import ERROR, INVALID, OK, TIMEOUT, Tool, check_tool_schema, environment_tools
@@ -20,7 +20,8 @@ from hybridrl.rollout.agent.registry import load_agent
 
 
 def test_hermes_parser_reads_calls_and_names_malformed_ones():
-    text = 'x <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call> y <tool_call>\n{"name": "f", "arguments": "{\\"b\\": 2}"}\n</tool_call>'
+    text = 'x <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call> y '
+    text += '<tool_call>\n{"name": "f", "arguments": "{\\"b\\": 2}"}\n</tool_call>'  # arguments as a JSON string
     calls = parse_hermes(text)
     assert [(c.name, c.arguments, c.error) for c in calls] == [("add", {"a": 1}, None), ("f", {"b": 2}, None)]
     assert parse_hermes("no call here") == []
@@ -40,8 +41,9 @@ def test_calculator_parses_never_evals():
     assert evaluate("(12 + 30) * 2") == 84
     assert evaluate("7 / 2 - -1") == Fraction(9, 2)
     assert evaluate("2 + 3 * 4 - 6 / 3") == 12  # precedence
-    for bad, why in {"__import__('os')": "unexpected character", "2 ** 3": "unexpected '*'", "(1 + 2": "ends too early",
-                     "1 / 0": "division by zero", "1 2": "unexpected '2'", "": "empty", "9" * 201: "longer"}.items():  # fmt: skip
+    refused = {"__import__('os')": "unexpected character", "2 ** 3": "unexpected '*'", "(1 + 2": "ends too early",
+               "1 / 0": "division by zero", "1 2": "unexpected '2'", "": "empty", "9" * 201: "longer"}  # fmt: skip
+    for bad, why in refused.items():
         with pytest.raises(CalculatorError, match=why):
             evaluate(bad)
     env = CalculatorEnvironment()
@@ -108,7 +110,8 @@ def test_environment_turn_counts_and_ends_on_failure():
     spec = load_agent(AgentConfig(path=__file__, env="_Tools"))
     cfg = AgentConfig(tool_timeout_s=0.3)
     traj = Trajectory(0, [1], {}, None)
-    text = '<tool_call>{"name": "echo", "arguments": {"text": "hey"}}</tool_call><tool_call>{"name": "hang", "arguments": {}}</tool_call>'
+    text = '<tool_call>{"name": "echo", "arguments": {"text": "hey"}}</tool_call>'
+    text += '<tool_call>{"name": "hang", "arguments": {}}</tool_call>'
     out = environment_turn(traj, Turn(0, text, [7], "stop"), spec, Chat(), cfg)
     assert out.end is None and out.observation_ids == [3, len("error: hang timed out after 0.3s")]
     assert out.counts["tool_calls"] == 2 and out.counts["tool_timeouts"] == 1
@@ -151,7 +154,7 @@ def test_bad_environment_files_are_one_line_errors(tmp_path):
         path = tmp_path / f"env{i}.py"
         path.write_text(source)
         env = "E" if "class E" in source else None
-        with pytest.raises(AgentError, match="rollout.agent") as err:
+        with pytest.raises(AgentError, match=r"rollout\.agent") as err:
             load_agent(AgentConfig(path=str(path), env=env))
         assert why in str(err.value) and "\n" not in str(err.value), str(err.value)
     with pytest.raises(AgentError, match=r"rollout.agent.env \('nope'\) is not a registered environment"):
