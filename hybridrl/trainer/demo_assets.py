@@ -15,9 +15,9 @@ Everything is seeded from ``trainer.seed``; nothing is downloaded.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -83,7 +83,7 @@ def fit(model, examples, pad_id: int, steps: int, seed: int, batch_size: int = 3
         optim.zero_grad()
         loss.backward()
         optim.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     model.eval()
     return losses
 
@@ -99,14 +99,18 @@ def make_demo_assets(
     cfg: RunConfig, out_dir: str, warmup_steps: int | None = None, n_train: int = 512, n_val: int = 64
 ) -> DemoAssets:
     """Write the demo task, tokenizer and warmed-up model under ``out_dir``; returns their paths. The task is
-    "copy the digits", or the calculator word problems when ``rollout.agent.env`` is "calculator".
+    "copy the digits", or a built-in environment's task when ``rollout.agent.env`` names one
+    (:mod:`hybridrl.trainer.demo_agent`: calculator word problems, number guessing).
 
     ``warmup_steps`` None = ``$HYBRIDRL_DEMO_WARMUP_STEPS`` if set, else :data:`DEFAULT_WARMUP_STEPS` (copy) or
-    :data:`AGENT_WARMUP_STEPS` (calculator).
+    :data:`~hybridrl.trainer.demo_agent.AGENT_WARMUP_STEPS`.
     """
-    agent = cfg.rollout.agent.env == "calculator"
+    from hybridrl.trainer import demo_agent
+
+    a = cfg.rollout.agent
+    agent = a.env if a.path is None and a.env in demo_agent.AGENT_DEMOS else None
     if warmup_steps is None:
-        default = AGENT_WARMUP_STEPS if agent else DEFAULT_WARMUP_STEPS
+        default = demo_agent.AGENT_WARMUP_STEPS if agent else DEFAULT_WARMUP_STEPS
         warmup_steps = int(os.environ.get(WARMUP_STEPS_ENV, default))
     import transformers
 
@@ -116,7 +120,7 @@ def make_demo_assets(
 
     os.makedirs(out_dir, exist_ok=True)
     seed = cfg.trainer.seed
-    make = _calculator_rows if agent else make_demo_task
+    make = partial(demo_agent.agent_rows, agent) if agent else make_demo_task
     train, val = make(n_train, seed=seed, split="train"), make(n_val, seed=seed + 1000, split="val")
     assets = DemoAssets(
         model_path=os.path.join(out_dir, "model"),
@@ -126,15 +130,15 @@ def make_demo_assets(
     )
     prefix = os.path.join(out_dir, "tokenizer")
     if agent:
-        tok = train_sentencepiece(agent_texts(train + val), vocab_size=AGENT_VOCAB, out_prefix=prefix,
-                                  extra_symbols=AGENT_SYMBOLS)  # fmt: skip
+        tok = train_sentencepiece(demo_agent.agent_texts(agent, train + val), vocab_size=demo_agent.AGENT_VOCAB,
+                                  out_prefix=prefix, extra_symbols=demo_agent.AGENT_SYMBOLS)  # fmt: skip
     else:
         tok = train_sentencepiece(demo_texts(train + val), vocab_size=64, out_prefix=prefix)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(_hf_config(cfg, tok.vocab_size, tok)).float()
     losses = []
     if warmup_steps and agent:
-        losses = fit(model, agent_examples(tok, train, seed), tok.pad_token_id, warmup_steps, seed)
+        losses = fit(model, demo_agent.agent_examples(agent, tok, train, seed), tok.pad_token_id, warmup_steps, seed)
     elif warmup_steps:
         losses = warm_up(model, tok, train, warmup_steps, seed)
     model.save_pretrained(assets.model_path, safe_serialization=True)
@@ -143,70 +147,3 @@ def make_demo_assets(
     if losses:
         print(f"[demo] supervised warm-up: {warmup_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
     return assets
-
-
-# ---- the agent demo: calculator word problems ------------------------------------------------------------------
-AGENT_WARMUP_STEPS = 30
-"""Supervised warm-up batches of the calculator demo."""
-AGENT_VOCAB = 1024
-"""Largest sentencepiece vocabulary of the calculator demo (the tool schema's JSON becomes a few pieces)."""
-AGENT_SYMBOLS = ("<tool_call>", "</tool_call>", "<|tool|>")
-"""Single tokens of the demo tokenizer for hybridrl's default tool format (:mod:`hybridrl.rollout.agent.chat`)."""
-DIRECT_SHARE = 0.5
-"""Share of warm-up traces that answer at once, without the calculator (with the question's first number): the
-policy starts out calling the tool about half the time, and GRPO has to learn that calling it pays."""
-
-
-def _calculator_rows(n: int, seed: int, split: str) -> list[dict]:
-    from hybridrl.rollout.agent.envs.calculator import make_calculator_task
-
-    return make_calculator_task(n, seed=seed, split=split)
-
-
-def _calculator_tools() -> list[dict]:
-    from hybridrl.rollout.agent.envs.calculator import CalculatorEnvironment
-    from hybridrl.rollout.agent.interface import environment_tools
-
-    return [t.schema() for t in environment_tools(CalculatorEnvironment())]
-
-
-def _traces(row: dict, direct: bool) -> list[tuple[str, str | None]]:
-    from hybridrl.rollout.agent.envs.calculator import demo_turns
-
-    if direct:  # a lazy guess: the question's first number
-        return [(re.match(r"\d+", row["extra_info"]["expression"]).group(0), None)]
-    return demo_turns(row)
-
-
-def agent_texts(rows: list[dict]) -> list[str]:
-    """Sentences to train the calculator demo's tokenizer on: prompts rendered with the tool, turns, tool outputs."""
-    from hybridrl.data.tokenizers import render_default_chat
-    from hybridrl.rollout.agent.chat import with_tools_system
-
-    tools = _calculator_tools()
-    texts = [render_default_chat(with_tools_system(r["prompt"], tools)) for r in rows]
-    for r in rows:
-        texts += [part for turn in _traces(r, direct=False) for part in turn if part is not None]
-    return [*texts, "0123456789+-*/()"]
-
-
-def agent_examples(tok, rows: list[dict], seed: int) -> list[tuple[list[int], list[int]]]:
-    """Warm-up traces of the calculator demo, tokenized exactly as the agent loop builds trajectories: the prompt
-    with the tool, each turn + EOS (loss mask 1), the tool's output as the observation tokens (mask 0)."""
-    import random
-
-    from hybridrl.rollout.agent.chat import ChatFormat
-
-    chat, rng, eos = ChatFormat(tok, _calculator_tools()), random.Random(seed), tok.eos_token_id
-    examples = []
-    for row in rows:
-        ids = chat.prompt_ids(row["prompt"])
-        mask = [0] * len(ids)
-        for text, output in _traces(row, direct=rng.random() < DIRECT_SHARE):
-            turn = [*tok.encode(text), eos]
-            ids, mask = ids + turn, mask + [1] * len(turn)
-            if output is not None:
-                obs = chat.observation_ids([{"role": "tool", "name": "calculator", "content": output}], eos)
-                ids, mask = ids + obs, mask + [0] * len(obs)
-        examples.append((ids, mask))
-    return examples

@@ -178,8 +178,14 @@ def make_calculator_task(n: int, seed: int = 0, split: str = "train") -> list[di
 
 
 def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
-    """A call in the Hermes format the ``hermes`` parser reads."""
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+    """A call in the Hermes format the ``hermes`` parser reads (compact JSON, as the tools prompt shows it)."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments}, separators=(',', ':'))}</tool_call>"
+
+
+CALL_OPEN = '<tool_call>{"name":"calculator","arguments":{"expression":"'
+CALL_CLOSE = '"}}</tool_call>'
+"""The text around the expression in :func:`tool_call_text` of a calculator call (single tokens of the demo's
+tokenizer: the tiny demo model then learns what to compute, not how to spell JSON)."""
 
 
 def demo_turns(row: dict[str, Any]) -> list[tuple[str, str | None]]:
