@@ -23,7 +23,7 @@ from hybridrl.rollout.agent.envs.calculator import CALL_CLOSE, CALL_OPEN
 
 AGENT_DEMOS = ("calculator", "guess_number")
 """Environments with a demo task."""
-AGENT_WARMUP_STEPS = 30
+AGENT_WARMUP_STEPS = 60
 """Supervised warm-up batches of the agent demos (``$HYBRIDRL_DEMO_WARMUP_STEPS`` overrides)."""
 AGENT_VOCAB = 1024
 """Largest sentencepiece vocabulary of the agent demos (a small corpus yields fewer pieces)."""
@@ -42,7 +42,7 @@ def agent_rows(env: str, n: int, seed: int, split: str) -> list[dict[str, Any]]:
     if env == "calculator":
         from hybridrl.rollout.agent.envs.calculator import make_calculator_task
 
-        return make_calculator_task(n, seed=seed, split=split)
+        return make_calculator_task(n, seed=seed, split=split, plain=True)
     from hybridrl.rollout.agent.envs.guess_number import make_guess_task
 
     return make_guess_task(n, seed=seed, split=split)

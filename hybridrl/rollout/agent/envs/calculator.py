@@ -149,7 +149,7 @@ _TEMPLATES = {
 }
 
 
-def make_calculator_task(n: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
+def make_calculator_task(n: int, seed: int = 0, split: str = "train", plain: bool = False) -> list[dict[str, Any]]:
     """``n`` word problems in the dataset schema: one user turn, ``extra_info`` with the ``answer`` and the
     ``expression`` that computes it (two-digit terms; one-digit box counts for products).
 
@@ -157,6 +157,8 @@ def make_calculator_task(n: int, seed: int = 0, split: str = "train") -> list[di
         n: rows.
         seed: RNG seed (the same seed gives the same rows).
         split: stored in ``extra_info``.
+        plain: ask "What is 37+48?" instead of a word problem (the tiny CPU demo: its 2-layer model learns to
+            copy an expression into a call in a few dozen warm-up steps, not to read a story).
     """
     rng = random.Random(seed)
     rows = []
@@ -168,6 +170,8 @@ def make_calculator_task(n: int, seed: int = 0, split: str = "train") -> list[di
         expression = f"{a}{op}{b}"
         answer = format_number(evaluate(expression))
         question = _TEMPLATES[op].format(name=rng.choice(_NAMES), item=rng.choice(_ITEMS), a=a, b=b)
+        if plain:
+            question = f"What is {expression}?"
         rows.append({
             "data_source": DATA_SOURCE,
             "prompt": [{"role": "user", "content": question}],
