@@ -101,13 +101,13 @@ def loop_bench(args) -> None:
         rows = []
         for name, sync in (("turn-synchronous", True), ("continuous", False)):
             wall, timing = _run(engine, tok, args, latency, turn_sync=sync)
-            rows.append((name, wall, args.batch / wall, timing["engine_s"], timing["wait_s"]))
+            rows.append((name, wall, args.batch / wall, timing["engine_s"], timing["wait_s"], timing["engine_steps"]))
         engine.close()
     print(f"{args.batch} trajectories x {args.turns} turns x {args.tokens} tokens; environment latency {args.dist} "
           f"with mean {latency * 1e3:.0f} ms (one turn's generation: {per_turn * 1e3:.0f} ms)")  # fmt: skip
-    print(f"{'loop':<18}{'wall s':>9}{'traj/s':>9}{'engine s':>10}{'idle-wait s':>13}")
-    for name, wall, rate, engine_s, wait_s in rows:
-        print(f"{name:<18}{wall:>9.2f}{rate:>9.2f}{engine_s:>10.2f}{wait_s:>13.2f}")
+    print(f"{'loop':<18}{'wall s':>9}{'traj/s':>9}{'engine s':>10}{'steps':>7}{'idle-wait s':>13}")
+    for name, wall, rate, engine_s, wait_s, steps in rows:
+        print(f"{name:<18}{wall:>9.2f}{rate:>9.2f}{engine_s:>10.2f}{steps:>7.0f}{wait_s:>13.2f}")
     print(f"continuous / turn-synchronous: {rows[1][2] / rows[0][2]:.2f}x trajectories/s")
 
 

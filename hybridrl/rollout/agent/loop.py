@@ -96,10 +96,10 @@ class AgentLoop:
         chat = check_chat(spec, tokenizer)
         tp, group, leader = engine.tensor_parallel_size, None, 0
         if tp > 1 and dist.is_initialized():
-            rank, world = dist.get_rank(), dist.get_world_size()
-            engines = layout.groups("rollout_tp") if layout is not None else [
-                list(range(first, first + tp)) for first in range(0, world, tp)]  # fmt: skip
-            for ranks in engines:
+            if layout is None:
+                raise ValueError(f"rollout TP {tp}: the agent loop needs the run's layout (its engines' ranks)")
+            rank = dist.get_rank()
+            for ranks in layout.groups("rollout_tp"):
                 g = dist.new_group(ranks, backend="gloo")
                 if rank in ranks:
                     group, leader = g, ranks[0]
@@ -126,8 +126,7 @@ class AgentLoop:
         if seed is not None or self.engine.tensor_parallel_size == 1:
             return seed
         # the ranks of an engine all sample: unseeded requests would draw from each rank's own RNG
-        replica = dist.get_rank() // self.engine.tensor_parallel_size if dist.is_initialized() else 0
-        return turn_seed((self.engine.seed << 24) + replica, self.calls)
+        return turn_seed((self.engine.seed << 24) + self.engine.replica, self.calls)
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def generate(self, prompts: DataProto, **sampling: Any) -> DataProto:
