@@ -10,8 +10,8 @@ time by stage.
    Turn-synchronous (the baseline, ``turn_sync``): every trajectory waits for the slowest answer of its turn. Both
    runs give the same trajectories (tests/rollout/agent/test_loop.py checks it); only the schedule differs.
 2. With ``--metrics`` (a run's ``logs/metrics.jsonl``, e.g. of ``configs/tiny_cpu_agent.yaml``): the mean time of
-   each stage of its steps and its share of the step, the rollout split into generation and waiting for
-   environments.
+   each stage of its steps and its share of the step, the rollout split into the weight switch, generation
+   (vLLM engine steps) and waiting for environments with vLLM idle.
 
     python bench/agent_loop.py [--batch 32] [--turns 4] [--tokens 16] [--latency 1.0] [--dist exp]
     python bench/agent_loop.py --metrics runs/tiny_cpu_agent/logs/metrics.jsonl
@@ -111,7 +111,7 @@ def loop_bench(args) -> None:
     print(f"continuous / turn-synchronous: {rows[1][2] / rows[0][2]:.2f}x trajectories/s")
 
 
-STAGES = ("timing_s/switch", "timing_s/rollout", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref",
+STAGES = ("timing_s/rollout", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref",
           "timing_s/values", "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor")  # fmt: skip
 
 
@@ -119,8 +119,8 @@ def stage_split(path: str) -> None:
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
     steps = [r for r in rows if r.get("step", 0) > 0 and "timing_s/step" in r]
-    mean = {k: sum(r.get(k, 0.0) for r in steps) / len(steps) for k in (*STAGES, "timing_s/step", "agent/engine_s",
-                                                                         "agent/wait_s")}  # fmt: skip
+    subs = ("timing_s/switch", "agent/engine_s", "agent/wait_s")  # parts of the rollout stage
+    mean = {k: sum(r.get(k, 0.0) for r in steps) / len(steps) for k in (*STAGES, *subs, "timing_s/step")}
     total = mean["timing_s/step"]
     print(f"{len(steps)} steps of {path}: {total:.2f} s per step")
     print(f"{'stage':<26}{'s':>8}{'share':>8}")
@@ -128,8 +128,9 @@ def stage_split(path: str) -> None:
         if mean[key]:
             print(f"{key.removeprefix('timing_s/'):<26}{mean[key]:>8.3f}{mean[key] / total:>8.1%}")
             if key == "timing_s/rollout":
-                for sub in ("agent/engine_s", "agent/wait_s"):
-                    print(f"  {sub.removeprefix('agent/'):<24}{mean[sub]:>8.3f}{mean[sub] / total:>8.1%}")
+                for sub in subs:
+                    name = sub.split("/")[1].replace("_s", "")
+                    print(f"  {name:<24}{mean[sub]:>8.3f}{mean[sub] / total:>8.1%}")
     other = total - sum(mean[k] for k in STAGES)
     print(f"{'other (metrics, loader)':<26}{other:>8.3f}{other / total:>8.1%}")
 
