@@ -3,9 +3,9 @@
 every trajectory interleaves policy and observation tokens.
 
 Checks: each step logs the agent metrics (turns > 1, observation tokens, end reasons); the actor's recomputed
-log-probs equal vLLM's on policy tokens (``rollout/logprob_mismatch`` <= 1e-4, fp32) at training TP 2 and at
-PP 2, at step 2 after the weights changed; and a run stopped after step 2 and resumed reproduces step 3 of the
-uninterrupted run (losses, grad norms, rewards, turns; 1e-6).
+log-probs equal vLLM's on policy tokens (``rollout/logprob_mismatch`` <= 1e-4, fp32) at training TP 2 (GRPO) and
+at PP 2 (PPO with a critic), at step 2 after the weights changed; and a run stopped after step 2 and resumed
+reproduces step 3 of the uninterrupted run (losses, grad norms, rewards, turns; 1e-6).
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ def test_tp2_run_and_resume_are_exact(tmp_path):
         assert resumed[3][key] == pytest.approx(ref[3][key], abs=1e-6, rel=0), key
 
 
-def test_pp2_log_probs_match_vllm(tmp_path):
-    history = _train(tmp_path / "pp", "trainer.total_steps=2", "actor.megatron.tp_size=1", "actor.megatron.pp_size=2")
+def test_ppo_at_pp2_log_probs_match_vllm(tmp_path):
+    """PPO: the critic is valued on policy tokens (GAE carries over observation tokens, response_mask 0)."""
+    history = _train(tmp_path / "pp", "trainer.total_steps=2", "actor.megatron.tp_size=1", "actor.megatron.pp_size=2",
+                     "critic.enable=true", "algorithm.adv_estimator=gae")  # fmt: skip
     _check(history, 2)
+    assert all(math.isfinite(h["critic/loss"]) and h["critic/grad_norm"] > 0 for h in history.values())
