@@ -14,22 +14,22 @@ vLLM generated (token-in-token-out: the conversation is never re-tokenized from 
 
 Tokenizers without a chat template (sentencepiece models such as the demo's, template-less HF tokenizers) use
 hybridrl's default format (:mod:`hybridrl.data.tokenizers`: ``<|role|>\\n{content}\\n`` per message), where
-tools are listed in a system message (:data:`TOOLS_PROMPT`, one JSON schema per line), the policy calls them in
+tools are listed in a system message (:data:`TOOLS_PROMPT`, name, arguments and description), the policy calls them in
 the Hermes format (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the ``hermes`` parser) and a
 tool's answer is a ``tool`` message (``<|tool|>\\n{output}\\n``).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
 from hybridrl.rollout.agent.interface import AgentError, Message
 
 TOOLS_PROMPT = '# Tools\n{tools}\nCall one as <tool_call>{{"name":...,"arguments":{{...}}}}</tool_call>'
-"""The system text listing the tools in hybridrl's default chat format (``{tools}``: one compact JSON schema per
-line)."""
+"""The system text listing the tools in hybridrl's default chat format, one line per tool:
+``name(arg: type, ...): description`` (short: tiny models read every prompt token; HF chat templates get the full
+JSON schemas)."""
 _MARK = "hybridrl-assistant-content-3f7a"
 _USER = [{"role": "user", "content": "hybridrl-user-content"}]
 
@@ -50,9 +50,17 @@ def template_supports_tools(hf: Any) -> bool:
     return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
 
 
+def tool_line(schema: dict[str, Any]) -> str:
+    """One tool of :data:`TOOLS_PROMPT`: ``calculator(expression: string): Evaluate arithmetic...``."""
+    fn = schema["function"]
+    props = fn.get("parameters", {}).get("properties", {})
+    args = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in props.items())
+    return f"{fn['name']}({args}): {fn.get('description', '')}"
+
+
 def with_tools_system(messages: Sequence[Message], tools: Sequence[dict[str, Any]]) -> list[Message]:
     """``messages`` with :data:`TOOLS_PROMPT` as (the end of) the system message, for hybridrl's default format."""
-    block = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, separators=(",", ":")) for t in tools))
+    block = TOOLS_PROMPT.format(tools="\n".join(map(tool_line, tools)))
     out = [dict(m) for m in messages]
     if out and out[0].get("role") == "system":
         out[0]["content"] = f"{out[0]['content']}\n\n{block}"
