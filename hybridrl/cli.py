@@ -125,7 +125,11 @@ def cmd_validate_config(argv: list[str]) -> int:
     print(f"# world size {world} = {cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node} process(es)")
     roles = ["actor"] + [name for name in ("ref", "critic") if getattr(cfg, name).enable]
     print(layout_report(layout, roles, cfg.rollout.backend))
+    from hybridrl.config.checks import update_schedule
     from hybridrl.config.memory import report
+
+    for role in ("actor", "critic")[: 1 + bool(cfg.critic.enable)]:
+        print(f"# {update_schedule(cfg, role)}")
 
     print(report(cfg, device_gib=args.device_gib, layout=layout))
     for line in notes:

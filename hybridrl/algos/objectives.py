@@ -18,10 +18,7 @@ with the role's ``loss_agg_mode`` (:mod:`hybridrl.algos.aggregation`).
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,8 +27,10 @@ import torch
 
 from hybridrl.algos.kl import kl_loss
 from hybridrl.algos.losses import POLICY_LOSSES, LossOutput, PolicyLossFn, entropy_bonus, value_loss
+from hybridrl.algos.masked import masked_mean
 from hybridrl.config.schema import RolloutCorrectionConfig
 from hybridrl.config.schema_roles import CUSTOM_POLICY_LOSS, ActorConfig, CriticConfig, PolicyLossConfig
+from hybridrl.user_code import load_user_function
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -49,24 +48,7 @@ def load_policy_loss(cfg: PolicyLossConfig) -> PolicyLossFn:
     file = Path(cfg.path or "")
     if cfg.path is None or not file.is_file():
         raise ValueError(f"actor.policy_loss.path ({cfg.path!r}) must be a .py file for loss_mode 'custom'")
-    module_name = "hybridrl_custom_policy_loss_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"actor.policy_loss.path ({cfg.path!r}) cannot be imported; it must be a .py file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses and pickling in the file need the module registered
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        del sys.modules[module_name]
-        raise ValueError(f"actor.policy_loss.path ({cfg.path!r}) failed to import ({type(err).__name__}: {err}); "
-                         "fix the file") from err  # fmt: skip
-    fn = getattr(module, cfg.name, None)
-    if not callable(fn):
-        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ValueError(f"actor.policy_loss.name ({cfg.name!r}) is not a function in {cfg.path!r} (it defines "
-                         f"{defined}); set actor.policy_loss.name")  # fmt: skip
-    return fn
+    return load_user_function(file, cfg.name, path_key="actor.policy_loss.path", name_key="actor.policy_loss.name")
 
 
 def policy_options(fn: PolicyLossFn, cfg: ActorConfig) -> dict[str, Any]:
@@ -100,14 +82,18 @@ class ActorLoss:
         self.entropy_coeff = cfg.entropy_coeff
         self.kl = (cfg.kl_loss_type, cfg.kl_loss_coef) if cfg.use_kl_loss else None
         self.weighted = rollout_correction is not None and rollout_correction.rollout_is is not None
-        self.inputs = ("old_log_probs", "advantages", *(("ref_log_probs",) if self.kl else ()),
+        self.on_policy = cfg.recompute_old_log_prob is False
+        """No old-log-prob pass ran: the old policy is this forward's (``old_log_probs = log_probs.detach()``)."""
+        old = ("rollout_log_probs",) if self.on_policy else ("old_log_probs",)
+        self.inputs = (*old, "advantages", *(("ref_log_probs",) if self.kl else ()),
                        *(("rollout_is_weights",) if self.weighted else ()))  # fmt: skip
         """The batch keys it reads besides ``response_mask``."""
 
     def __call__(self, outputs: Tensors, batch: Tensors) -> LossOutput:
         """Per-token loss ``(b, r)`` and metrics from the head's ``log_probs`` / ``entropy`` ``(b, r)``."""
         mask, log_prob = batch["response_mask"], outputs["log_probs"]
-        out = self.policy(log_prob=log_prob, old_log_prob=batch["old_log_probs"], advantages=batch["advantages"],
+        old_log_prob = log_prob.detach() if self.on_policy else batch["old_log_probs"]
+        out = self.policy(log_prob=log_prob, old_log_prob=old_log_prob, advantages=batch["advantages"],
                           response_mask=mask, **self.options)  # fmt: skip
         if self.custom:
             _check_custom(out, mask)
@@ -117,6 +103,9 @@ class ActorLoss:
         ent, ent_metrics = entropy_bonus(outputs["entropy"], mask, per_token=True)
         loss = pg - self.entropy_coeff * ent
         metrics = {**metrics, **ent_metrics}
+        if self.on_policy:  # what the loop reads from the old-log-prob pass when there is one
+            gap = (log_prob.detach() - batch["rollout_log_probs"].to(log_prob.dtype)).abs()
+            metrics["rollout_logprob_mismatch"] = masked_mean(gap, mask)
         if self.kl:
             kl_type, coef = self.kl
             kl, kl_metrics = kl_loss(log_prob, batch["ref_log_probs"], mask, kl_type=kl_type, per_token=True)

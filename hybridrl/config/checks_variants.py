@@ -4,7 +4,8 @@
 - policy losses: the Clip-Cov / KL-Cov knobs of ``actor.policy_loss``, GSPO's aggregation;
 - estimators: pass@k's ``k``;
 - loop features: dynamic sampling (``algorithm.filter_groups``), the soft overlong punishment
-  (``reward.overlong_buffer``) and rollout correction (``algorithm.rollout_correction``).
+  (``reward.overlong_buffer``) and rollout correction (``algorithm.rollout_correction``);
+- the old-log-prob pass (``actor.recompute_old_log_prob``): skipped where the update's forward is the old policy.
 
 Each failure is a one-line :class:`ConfigError` naming the key, its value and the fix.
 """
@@ -36,6 +37,25 @@ def fill_variants(cfg: RunConfig) -> None:
         rc.rollout_rs_threshold = rc.rollout_is_threshold
     if rc.rollout_rs_threshold_lower is None and rc.rollout_rs_threshold > 0:
         rc.rollout_rs_threshold_lower = 1.0 / rc.rollout_rs_threshold
+    if cfg.actor.recompute_old_log_prob is None:
+        cfg.actor.recompute_old_log_prob = old_log_prob_needed(cfg) is not None
+
+
+def old_log_prob_needed(cfg: RunConfig) -> str | None:
+    """Why the step needs the old policy's log-probs in a pass of their own (a phrase naming the key), or None
+    when the actor's single update per rollout can take them from its own forward (ratio 1)."""
+    a, rc = cfg.actor, cfg.algorithm.rollout_correction
+    steps = cfg.data.train_batch_size // a.ppo_mini_batch_size * a.ppo_epochs
+    if steps != 1:
+        return (f"the actor makes {steps} optimizer steps per rollout (data.train_batch_size "
+                f"{cfg.data.train_batch_size} / actor.ppo_mini_batch_size {a.ppo_mini_batch_size} x actor.ppo_epochs "
+                f"{a.ppo_epochs}), so the policy moves before the last one")  # fmt: skip
+    if cfg.algorithm.use_kl_in_reward:
+        return "algorithm.use_kl_in_reward (true) reads them before the update"
+    for name in ("rollout_is", "rollout_rs"):
+        if getattr(rc, name) is not None:
+            return f"algorithm.rollout_correction.{name} ({getattr(rc, name)!r}) reads them before the update"
+    return None
 
 
 def check_loss_variants(cfg: RunConfig) -> None:
@@ -79,6 +99,10 @@ def check_loop_features(cfg: RunConfig) -> None:
         _fail(f"reward.overlong_buffer.penalty_factor ({b.penalty_factor}) must be >= 0",
               "reward.overlong_buffer.penalty_factor")  # fmt: skip
     _check_rollout_correction(cfg)
+    needed = old_log_prob_needed(cfg)
+    if cfg.actor.recompute_old_log_prob is False and needed is not None:
+        _fail(f"actor.recompute_old_log_prob (false) cannot skip the old-log-prob pass: {needed}; set it to null "
+              "(auto)", "actor.recompute_old_log_prob")  # fmt: skip
 
 
 def _check_rollout_correction(cfg: RunConfig) -> None:

@@ -161,6 +161,13 @@ class ActorConfig:
     micro-batch holds two responses of one prompt; false: row by row."""
     ppo_epochs: int = 1
     """Passes over each step's rollout batch."""
+    recompute_old_log_prob: bool | None = None
+    """Score the batch under the policy that generated it (``old_log_probs``, a forward pass over every response)
+    before the update. Needed only when the policy moves before the last use of those log-probs: several optimizer
+    steps per rollout, or a stage before the update reading them (``algorithm.use_kl_in_reward``,
+    ``algorithm.rollout_correction``). Without that, the update's own forward IS the old policy: the ratio is 1 and
+    the loss takes ``old_log_probs = log_probs.detach()`` (as TRL does with one step per generation), saving the
+    pass. None = auto (skip exactly then); true: always score; false: never (refused where it is needed)."""
     shuffle: bool = True
     """Shuffle responses between mini-batches (each PPO epoch draws a new order); false keeps rollout order."""
     clip_ratio_low: float = 0.2

@@ -29,11 +29,14 @@ from hybridrl.algos import aggregation
 
 
 def global_denominator(
-    mask: torch.Tensor, mode: str, group: dist.ProcessGroup | None = None, loss_scale_factor: float | None = None
+    mask: torch.Tensor, mode: str, group: dist.ProcessGroup | None, loss_scale_factor: float | None = None
 ) -> torch.Tensor:
     """The denominator of ``mode`` over the global batch: the local count (tokens or non-empty samples of the
     ``(b, r)`` ``mask``) summed over ``group``, at least 1, times ``loss_scale_factor`` where the mode divides by
     it (:func:`hybridrl.algos.aggregation.denominator`).
+
+    ``group`` is required: the data-parallel group (``None`` would be torch's default group, every rank, which
+    counts each sample once per TP/PP rank).
 
     One all-reduce (none when the group has one rank or the mode counts nothing). Returns a fp64 scalar.
     """

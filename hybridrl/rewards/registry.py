@@ -9,15 +9,12 @@ signature itself. A scorer may also return a dict with a ``"score"`` key, or a b
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import os
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from hybridrl.rewards import demo, gsm8k, math_boxed
+from hybridrl.user_code import load_user_function
 
 Scorer = Callable[[str, Any], Any]
 ScoreFn = Callable[[str, str, Any, Any], Any]
@@ -108,27 +105,4 @@ def load_custom_scorer(path: str | os.PathLike, name: str = "compute_score") -> 
         FileNotFoundError: no file at ``path``.
         ValueError: the file fails to import, or defines no callable ``name`` (lists what it defines).
     """
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"reward.custom.path {os.fspath(path)!r} does not exist; point it at a .py file")
-    module_name = "hybridrl_custom_reward_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"reward.custom.path {os.fspath(path)!r} cannot be imported; it must be a .py file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # pickling and dataclasses in the file need the module registered
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        del sys.modules[module_name]
-        raise ValueError(
-            f"reward.custom.path {os.fspath(path)!r} failed to import ({type(err).__name__}: {err}); fix the file"
-        ) from err
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ValueError(
-            f"reward.custom.name {name!r} is not a function in {os.fspath(path)!r} (it defines {defined}); "
-            "set reward.custom.name"
-        )
-    return fn
+    return load_user_function(path, name, path_key="reward.custom.path", name_key="reward.custom.name")

@@ -305,8 +305,9 @@ class RLTrainer:
         start = time.perf_counter()
         batch, prompts, reward_m = self._collect(prompts, timer)  # rollout and reward stages
         self._provide_estimator_inputs(prompts, batch, timer)
-        with timer("old_log_prob"):
-            batch = batch.union(self.actor.compute_log_prob(batch))
+        if self.cfg.actor.recompute_old_log_prob:  # else the update's forward is the old policy (ratio 1)
+            with timer("old_log_prob"):
+                batch = batch.union(self.actor.compute_log_prob(batch))
         if self.ref is not None:
             with timer("ref"):
                 batch = batch.union(self.ref.compute_ref_log_prob(batch))
@@ -323,13 +324,15 @@ class RLTrainer:
         with timer("update_actor"):
             metrics.update(self.actor.update_actor(actor_batch).meta_info["metrics"])
         metrics.update(reward_m)
-        metrics.update(self._batch_metrics(batch))
+        metrics.update(self._batch_metrics(batch, metrics))
         elapsed = time.perf_counter() - start
         metrics.update(timer.metrics(), **{"timing_s/step": elapsed})
         metrics["perf/tokens_per_s"] = float(batch.batch["attention_mask"].sum()) / elapsed
         return metrics
 
-    def _batch_metrics(self, batch: DataProto) -> dict[str, float]:
+    def _batch_metrics(self, batch: DataProto, update: dict[str, float]) -> dict[str, float]:
+        """The step's batch statistics; without an old-log-prob pass, the entropy and the rollout mismatch come
+        from the actor update's forward (``update``: its metrics; means over micro-batches there)."""
         b, mask = batch.batch, batch.batch["response_mask"]
         lengths = mask.sum(1).float()
         seq_scores = b["token_level_scores"].sum(1)
@@ -338,15 +341,20 @@ class RLTrainer:
             "response/length_mean": float(lengths.mean()),
             "response/length_max": float(lengths.max()),
             "response/clip_ratio": float(np.mean(batch.non_tensor_batch["finish_reasons"] == "length")),
-            "actor/entropy_mean": _masked_mean(b["entropy"], mask),
         }
+        scored = "old_log_probs" in b
+        out["actor/entropy_mean"] = _masked_mean(b["entropy"], mask) if scored else update["actor/entropy"]
         r = self.cfg.rollout
         if r.top_k == -1 and r.top_p == 1.0:
             # vLLM's log-probs are of the distribution it sampled from: with top-k / top-p renormalised over the
             # kept tokens, so they differ from the actor's full softmax by design; comparable only without them
-            out["rollout/logprob_mismatch"] = _masked_mean((b["old_log_probs"] - b["rollout_log_probs"]).abs(), mask)
+            out["rollout/logprob_mismatch"] = (
+                _masked_mean((b["old_log_probs"] - b["rollout_log_probs"]).abs(), mask)
+                if scored
+                else update["actor/rollout_logprob_mismatch"]
+            )
         out.update(agent_metrics(batch))  # multi-turn rollouts: turns, tool calls, end reasons, observation share
-        if "ref_log_probs" in b:
+        if "ref_log_probs" in b and scored:
             out["actor/kl"] = _masked_mean(b["old_log_probs"] - b["ref_log_probs"], mask)
         if "values" in b:
             out["critic/value_error"] = _masked_mean((b["values"] - b["returns"]).abs(), mask)

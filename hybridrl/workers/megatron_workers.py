@@ -141,18 +141,64 @@ class _TrainedRole:
         self.version = int(state["version"])
 
     def _train(
-        self, data: DataProto, mini_batch: int, epochs: int, seed: int, step_fn, shuffle: bool = True
+        self,
+        data: DataProto,
+        mini_batch: int,
+        epochs: int,
+        seed: int,
+        step_fn,
+        shuffle: bool = True,
+        whole_groups: bool = False,
     ) -> dict[str, float]:
-        """``epochs`` passes over ``data`` in mini-batches of ``mini_batch`` responses (all DP ranks together)."""
+        """``epochs`` passes over ``data`` in mini-batches of ``mini_batch`` responses (all DP ranks together).
+
+        ``whole_groups``: shuffle whole prompt groups (runs of one ``uid``) instead of rows, so that a mini-batch
+        holds a prompt's responses side by side and prompt sharing can pack them (:func:`group_order`).
+        """
         local = mini_batch // self.dp_size
         results = []
-        for mini in data.make_iterator(local, epochs=epochs, shuffle=shuffle, seed=seed):
+        grouped = shuffle and whole_groups and "uid" in data.non_tensor_batch
+        minis = (
+            _group_minibatches(data, local, epochs, seed)
+            if grouped
+            else data.make_iterator(local, epochs=epochs, shuffle=shuffle, seed=seed)
+        )
+        for mini in minis:
             self.optimizer.zero_grad()
             out = step_fn(mini)
             res = self.optimizer.step()
             results.append({**out.metrics, "loss": out.loss, "grad_norm": res.grad_norm, "lr": res.lr,
                             "skipped": float(res.skipped)})  # fmt: skip
         return _mean_metrics(results)
+
+
+def group_order(uids, generator: torch.Generator) -> torch.Tensor:
+    """A permutation of the rows that shuffles whole groups (maximal runs of equal ``uids``), each group's rows
+    kept adjacent and in order.
+
+    Args:
+        uids: ``(b,)`` group id of each row (the rollout lays a prompt's responses out adjacent).
+        generator: the shuffle's generator (seeded alike on every rank).
+
+    Returns:
+        ``(b,)`` int64 row indices.
+    """
+    b = len(uids)
+    starts = [0, *(i for i in range(1, b) if uids[i] != uids[i - 1])]
+    spans = list(zip(starts, [*starts[1:], b], strict=True))
+    picked = torch.randperm(len(spans), generator=generator).tolist()
+    return torch.cat([torch.arange(*spans[g]) for g in picked]) if b else torch.zeros(0, dtype=torch.long)
+
+
+def _group_minibatches(data: DataProto, size: int, epochs: int, seed: int) -> Iterator[DataProto]:
+    """``data.make_iterator(size, epochs, shuffle=True, seed)`` with whole groups shuffled (:func:`group_order`)."""
+    if len(data) % size:
+        raise ValueError(f"batch size {len(data)} is not divisible by the mini-batch size {size}")
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        order = group_order(data.non_tensor_batch["uid"], generator)
+        for start in range(0, len(data), size):
+            yield data[order[start : start + size]]
 
 
 class ActorRolloutWorker(_TrainedRole):
@@ -257,7 +303,8 @@ class ActorRolloutWorker(_TrainedRole):
             )  # fmt: skip
 
         responses = a.ppo_mini_batch_size * self.rollout_cfg.n
-        metrics = self._train(data.select(keys), responses, a.ppo_epochs, self.version, step, a.shuffle)
+        groups = a.share_prompt_prefix is not False and self.rollout_cfg.n > 1
+        metrics = self._train(data.select(keys), responses, a.ppo_epochs, self.version, step, a.shuffle, groups)
         metrics["param_norm"] = _param_norm(self.model.parameters())
         self.version += 1
         return DataProto(meta_info={"metrics": {f"actor/{k}": v for k, v in metrics.items()}})
@@ -346,7 +393,8 @@ class CriticWorker(_TrainedRole):
 
         self._bring_back()
         responses = c.ppo_mini_batch_size * self.rollout_n
-        metrics = self._train(data.select(keys), responses, c.ppo_epochs, self.version, step, self.shuffle)
+        groups = self.share_prefix is not False and self.rollout_n > 1
+        metrics = self._train(data.select(keys), responses, c.ppo_epochs, self.version, step, self.shuffle, groups)
         self.version += 1
         self._park()
         return DataProto(meta_info={"metrics": {f"critic/{k}": v for k, v in metrics.items()}})

@@ -103,7 +103,10 @@ def test_custom_policy_loss_from_a_file(tmp_path):
         (PolicyLossConfig(loss_mode="gspo2"), r"actor\.policy_loss\.loss_mode \('gspo2'\) must be one of"),
         (PolicyLossConfig(loss_mode="custom"), r"actor\.policy_loss\.path \(None\) must be a \.py file"),
         (PolicyLossConfig(loss_mode="ppo_clip", path="x.py"), "set actor.policy_loss.loss_mode=custom"),
-        (PolicyLossConfig(loss_mode="custom", path="FILE", name="nope"), r"actor\.policy_loss\.name \('nope'\)"),
+        (
+            PolicyLossConfig(loss_mode="custom", path="FILE", name="nope"),
+            r"actor\.policy_loss\.name 'nope' is not a function",
+        ),
         (PolicyLossConfig(loss_mode="custom", path="BROKEN"), r"failed to import \(ZeroDivisionError"),
     ],
 )

@@ -478,10 +478,10 @@ def test_aggregate_formulas_by_hand():
     expect = {"token-mean": (1 + 2 + 4) / 3, "token-sum": 1 + 2 + 4, "seq-mean-token-sum": (3 + 4) / 2,
               "seq-mean-token-mean": (1.5 + 4) / 2, "seq-mean-token-sum-norm": (3 + 4) / 2 / NORM}  # fmt: skip
     for mode, value in expect.items():
-        denom = loss_scaling.global_denominator(mask, mode, loss_scale_factor=NORM)  # no group: local == global
+        denom = loss_scaling.global_denominator(mask, mode, None, NORM)  # one process: local == global
         assert aggregation.aggregate(per_token, mask, mode, denom).item() == pytest.approx(value), mode
     # two halves with the global denominator add up to the whole
-    denom = loss_scaling.global_denominator(mask, "token-mean")
+    denom = loss_scaling.global_denominator(mask, "token-mean", None)
     halves = sum(aggregation.aggregate(per_token[i : i + 1], mask[i : i + 1], "token-mean", denom) for i in range(3))
     assert halves.item() == pytest.approx(expect["token-mean"])
 
@@ -503,6 +503,6 @@ def test_bad_inputs_name_the_key():
     with pytest.raises(ValueError, match=r"micro_batch_size \(3\)"):
         compute.split_micro_batches(compute.prepare_batch(batch), 3)
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        loss_scaling.global_denominator(torch.ones(1, 1), "token-median")
+        loss_scaling.global_denominator(torch.ones(1, 1), "token-median", None)
     with pytest.raises(ValueError, match="loss_scale_factor"):
         compute.forward_backward([], batch, lambda o, mb: (o, {}), 1, loss_agg_mode="seq-mean-token-sum-norm")
