@@ -17,6 +17,7 @@ HFConfigError           hybridrl.mcore.hf_config                model
 CheckpointError         hybridrl.mcore.bridge_checkpoint        model
 ModelPathError          hybridrl.trainer.preflight              model
 ScorerError             hybridrl.rewards.manager                reward
+AgentError              hybridrl.rollout.agent.interface        agent
 ResumeError             hybridrl.trainer.checkpoint             checkpoint
 UnsafeCheckpointError   hybridrl.mcore.checkpoint_safety        checkpoint
 CorruptCheckpointError  hybridrl.mcore.checkpoint_safety        checkpoint
@@ -60,6 +61,7 @@ _KINDS = {
     "CheckpointError": "model",
     "ModelPathError": "model",
     "ScorerError": "reward",
+    "AgentError": "agent",
     "ResumeError": "checkpoint",
     "UnsafeCheckpointError": "checkpoint",
     "CorruptCheckpointError": "checkpoint",

@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from hybridrl.config.checks_agent import agent_enabled, check_agent
 from hybridrl.config.checks_fsdp import check_fsdp_roles
 from hybridrl.config.checks_launcher import check_launcher
 from hybridrl.config.checks_lora import check_lora
@@ -80,6 +81,7 @@ def _expand_user_paths(cfg: RunConfig) -> None:
     for section, name in (
         (cfg.model, "path"), (cfg.model, "tokenizer_path"), (cfg.critic, "model_path"), (cfg.reward.model, "path"),
         (cfg.reward.custom, "path"), (cfg.trainer, "default_local_dir"), (cfg.trainer, "resume_from_path"),
+        (cfg.rollout.agent, "path"),
     ):  # fmt: skip
         setattr(section, name, expand(getattr(section, name)))
     cfg.data.train_files = [expand(f) for f in cfg.data.train_files]
@@ -334,9 +336,9 @@ def check_sources(cfg: RunConfig, world: int) -> None:
             "set reward.scorer=auto to use the custom function",
             "reward.scorer",
         )
-    if rw.scorer is None and not rw.custom.path and not rw.model.enable:
-        _fail("reward.scorer is null with no reward.custom.path and no reward.model: nothing scores responses; "
-              "set reward.scorer=auto", "reward.scorer")  # fmt: skip
+    if rw.scorer is None and not rw.custom.path and not rw.model.enable and not agent_enabled(cfg):
+        _fail("reward.scorer is null with no reward.custom.path, reward.model or rollout.agent environment: nothing "
+              "scores responses; set reward.scorer=auto", "reward.scorer")  # fmt: skip
     if rw.timeout_s <= 0:
         _fail(f"reward.timeout_s ({rw.timeout_s}) must be positive", "reward.timeout_s")
     t = cfg.trainer
@@ -496,6 +498,7 @@ CHECKS: tuple[Callable[[RunConfig, int], None], ...] = (
     check_fsdp_roles,
     check_launcher,
     check_moe,
+    check_agent,
 )
 """Run in this order: single fields first, so later checks may rely on positive sizes."""
 

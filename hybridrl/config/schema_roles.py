@@ -244,6 +244,33 @@ class RolloutValConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Multi-turn rollouts: the policy's turns answered by an environment and its tools (the agent loop,
+    :mod:`hybridrl.rollout.agent`). Off while ``env`` and ``path`` are both None."""
+
+    env: str | None = None
+    """The environment: a registered name ("calculator", "guess_number") or, with path, the name of an
+    Environment subclass in that file. None with path = the one Environment subclass the file defines; None
+    without path = single-turn generation (no agent loop)."""
+    path: str | None = None
+    """Python file defining the environment (an ``hybridrl.rollout.agent.Environment`` subclass and its tools)."""
+    max_turns: int = 4
+    """Policy turns per trajectory, >= 1; a trajectory still going after this many ends with reason "max_turns"."""
+    max_tokens_per_turn: int | None = None
+    """Tokens the policy may generate in one turn. None = what is left of the trajectory's budget (the response
+    length, data.max_response_length, holds every policy and observation token of a trajectory)."""
+    tool_timeout_s: float = 30.0
+    """Seconds one tool call (and one environment step) may run; past it the policy reads a timeout error."""
+    tool_parser: str = "hermes"
+    """How tool calls are read from a turn's text: a registered parser ("hermes": <tool_call>{json}</tool_call>,
+    the Qwen2.5 / Hermes format)."""
+    max_tool_output_chars: int = 4096
+    """Longest tool output (characters) the policy reads; longer output is cut and marked."""
+    max_workers: int = 64
+    """Environment steps (with their tool calls) running at once per rollout replica."""
+
+
+@dataclass
 class RolloutConfig:
     """Generation engine (vLLM) and its sampling.
 
@@ -309,6 +336,8 @@ class RolloutConfig:
     next weight push. No effect on CPU, where vLLM's sleep frees nothing."""
     val: RolloutValConfig = field(default_factory=RolloutValConfig)
     """Sampling for validation."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn rollouts with an environment and tools (off by default)."""
 
 
 @dataclass

@@ -143,6 +143,7 @@ def pack_rollout(
     finish_reasons: Sequence[str],
     response_length: int,
     pad_token_id: int,
+    response_masks: Sequence[Sequence[int]] | None = None,
 ) -> DataProto:
     """The rollout batch: ``prompts`` repeated ``n`` times (interleaved) with the responses appended.
 
@@ -154,12 +155,15 @@ def pack_rollout(
         finish_reasons: ``b * n`` strings ("stop", "length", ...).
         response_length: width ``r`` of the response tensors (right-padded to it).
         pad_token_id: id written into response padding.
+        response_masks: per row, 1 on the tokens the policy generated and 0 on tokens it did not (a multi-turn
+            trajectory's observations, whose log-probs are 0); None = every response token is the policy's.
 
     Returns:
         Tensors ``prompts`` ``(B, p)``, ``responses`` ``(B, r)``, ``input_ids`` ``(B, p + r)``,
-        ``attention_mask`` ``(B, p + r)``, ``position_ids`` ``(B, p + r)`` (cumsum(mask) - 1, clipped at
-        0), ``response_mask`` ``(B, r)``, ``rollout_log_probs`` ``(B, r)`` float32 (0 on padding), and
-        non-tensor ``finish_reasons``; ``B = b * n``. Other fields of ``prompts`` are repeated alongside.
+        ``attention_mask`` ``(B, p + r)`` (1 on every response token), ``position_ids`` ``(B, p + r)``
+        (cumsum(mask) - 1, clipped at 0), ``response_mask`` ``(B, r)`` (``response_masks``),
+        ``rollout_log_probs`` ``(B, r)`` float32 (0 on padding), and non-tensor ``finish_reasons``; ``B = b * n``.
+        Other fields of ``prompts`` are repeated alongside.
     """
     total = len(prompts) * n
     if not len(responses) == len(log_probs) == len(finish_reasons) == total:
@@ -171,20 +175,23 @@ def pack_rollout(
     prompt_mask = prompts.batch["attention_mask"].repeat_interleave(n, dim=0).to(torch.int64)
     resp = torch.full((total, response_length), pad_token_id, dtype=prompt_ids.dtype)
     resp_mask = torch.zeros((total, response_length), dtype=torch.int64)
+    resp_attn = torch.zeros((total, response_length), dtype=torch.int64)
     resp_lp = torch.zeros((total, response_length), dtype=torch.float32)
     for i, (tokens, lps) in enumerate(zip(responses, log_probs, strict=True)):
         k = len(tokens)
-        if k > response_length or len(lps) != k:
+        masks = None if response_masks is None else list(response_masks[i])
+        if k > response_length or len(lps) != k or (masks is not None and len(masks) != k):
             raise ValueError(
-                f"response row {i} has {k} tokens and {len(lps)} log-probs; both must be equal and "
-                f"<= response_length ({response_length})"
+                f"response row {i} has {k} tokens, {len(lps)} log-probs and {k if masks is None else len(masks)} "
+                f"mask entries; all must be equal and <= response_length ({response_length})"
             )
         resp[i, :k] = torch.as_tensor(list(tokens), dtype=prompt_ids.dtype)
-        resp_mask[i, :k] = 1
+        resp_attn[i, :k] = 1
+        resp_mask[i, :k] = 1 if masks is None else torch.as_tensor(masks, dtype=torch.int64)
         resp_lp[i, :k] = torch.as_tensor(list(lps), dtype=torch.float32)
     # rows are filled on the host (one device copy per tensor, not per row), then join the prompts' device
-    resp, resp_mask, resp_lp = (t.to(prompt_ids.device) for t in (resp, resp_mask, resp_lp))
-    attention_mask = torch.cat([prompt_mask, resp_mask], dim=1)
+    resp, resp_mask, resp_attn, resp_lp = (t.to(prompt_ids.device) for t in (resp, resp_mask, resp_attn, resp_lp))
+    attention_mask = torch.cat([prompt_mask, resp_attn], dim=1)
     rest = prompts.select([k for k in prompts.batch if k not in ROLLOUT_KEYS]).repeat(n, interleave=True)
     reasons = np.empty(total, dtype=object)
     reasons[:] = list(finish_reasons)

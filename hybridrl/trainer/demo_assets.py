@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -55,30 +56,34 @@ def _hf_config(cfg: RunConfig, vocab_size: int, tok):
 
 def warm_up(model, tok, rows, steps: int, seed: int, batch_size: int = 32, lr: float = 3e-3) -> list[float]:
     """Teacher-forced next-token training on prompt -> answer + EOS (loss on the answer tokens only)."""
-    g = torch.Generator().manual_seed(seed)
     examples = []
     for row in rows:
         prompt = tok.apply_chat_template(row["prompt"])
         answer = [*tok.encode(row["reward_model"]["ground_truth"]), tok.eos_token_id]
-        examples.append((prompt, answer))
-    width = max(len(p) + len(a) for p, a in examples)
+        examples.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+    return fit(model, examples, tok.pad_token_id, steps, seed, batch_size, lr)
+
+
+def fit(model, examples, pad_id: int, steps: int, seed: int, batch_size: int = 32, lr: float = 3e-3) -> list[float]:
+    """Teacher-forced next-token training on ``(ids, loss_mask)`` examples (loss where the mask is 1)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(len(ids) for ids, _ in examples)
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     model.train()
     for _ in range(steps):
         idx = torch.randint(0, len(examples), (batch_size,), generator=g).tolist()
-        ids = torch.full((batch_size, width), tok.pad_token_id, dtype=torch.long)
+        ids = torch.full((batch_size, width), pad_id, dtype=torch.long)
         labels = torch.full((batch_size, width), -100, dtype=torch.long)
         for i, j in enumerate(idx):
-            p, a = examples[j]
-            seq = p + a
+            seq, mask = examples[j]
             ids[i, : len(seq)] = torch.tensor(seq)
-            labels[i, len(p) : len(seq)] = torch.tensor(a)
+            labels[i, : len(seq)] = torch.where(torch.tensor(mask).bool(), torch.tensor(seq), -100)
         loss = model(input_ids=ids, labels=labels).loss
         optim.zero_grad()
         loss.backward()
         optim.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     model.eval()
     return losses
 
@@ -93,12 +98,20 @@ DEFAULT_WARMUP_STEPS = 40
 def make_demo_assets(
     cfg: RunConfig, out_dir: str, warmup_steps: int | None = None, n_train: int = 512, n_val: int = 64
 ) -> DemoAssets:
-    """Write the demo task, tokenizer and warmed-up model under ``out_dir``; returns their paths.
+    """Write the demo task, tokenizer and warmed-up model under ``out_dir``; returns their paths. The task is
+    "copy the digits", or a built-in environment's task when ``rollout.agent.env`` names one
+    (:mod:`hybridrl.trainer.demo_agent`: calculator word problems, number guessing).
 
-    ``warmup_steps`` None = ``$HYBRIDRL_DEMO_WARMUP_STEPS`` if set, else :data:`DEFAULT_WARMUP_STEPS`.
+    ``warmup_steps`` None = ``$HYBRIDRL_DEMO_WARMUP_STEPS`` if set, else :data:`DEFAULT_WARMUP_STEPS` (copy) or
+    :data:`~hybridrl.trainer.demo_agent.AGENT_WARMUP_STEPS`.
     """
+    from hybridrl.trainer import demo_agent
+
+    a = cfg.rollout.agent
+    agent = a.env if a.path is None and a.env in demo_agent.AGENT_DEMOS else None
     if warmup_steps is None:
-        warmup_steps = int(os.environ.get(WARMUP_STEPS_ENV, DEFAULT_WARMUP_STEPS))
+        default = demo_agent.AGENT_WARMUP_STEPS if agent else DEFAULT_WARMUP_STEPS
+        warmup_steps = int(os.environ.get(WARMUP_STEPS_ENV, default))
     import transformers
 
     from hybridrl.data.files import write_rows
@@ -107,19 +120,27 @@ def make_demo_assets(
 
     os.makedirs(out_dir, exist_ok=True)
     seed = cfg.trainer.seed
-    train = make_demo_task(n_train, seed=seed, split="train")
-    val = make_demo_task(n_val, seed=seed + 1000, split="val")
+    make = partial(demo_agent.agent_rows, agent) if agent else make_demo_task
+    train, val = make(n_train, seed=seed, split="train"), make(n_val, seed=seed + 1000, split="val")
     assets = DemoAssets(
         model_path=os.path.join(out_dir, "model"),
         tokenizer_path=os.path.join(out_dir, "tokenizer.model"),
         train_file=str(write_rows(train, os.path.join(out_dir, "train.parquet"))),
         val_file=str(write_rows(val, os.path.join(out_dir, "val.parquet"))),
     )
-    tok = train_sentencepiece(demo_texts(train + val), vocab_size=64, out_prefix=os.path.join(out_dir, "tokenizer"))
-    vocab = tok.vocab_size
+    prefix = os.path.join(out_dir, "tokenizer")
+    if agent:
+        tok = train_sentencepiece(demo_agent.agent_texts(agent, train + val), vocab_size=demo_agent.AGENT_VOCAB,
+                                  out_prefix=prefix, extra_symbols=demo_agent.AGENT_SYMBOLS)  # fmt: skip
+    else:
+        tok = train_sentencepiece(demo_texts(train + val), vocab_size=64, out_prefix=prefix)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(_hf_config(cfg, vocab, tok)).float()
-    losses = warm_up(model, tok, train, warmup_steps, seed) if warmup_steps else []
+    model = transformers.LlamaForCausalLM(_hf_config(cfg, tok.vocab_size, tok)).float()
+    losses = []
+    if warmup_steps and agent:
+        losses = fit(model, demo_agent.agent_examples(agent, tok, train, seed), tok.pad_token_id, warmup_steps, seed)
+    elif warmup_steps:
+        losses = warm_up(model, tok, train, warmup_steps, seed)
     model.save_pretrained(assets.model_path, safe_serialization=True)
     # the model folder carries its tokenizer, as a checkpoint folder does: `hybridrl export` copies it along
     shutil.copy(assets.tokenizer_path, os.path.join(assets.model_path, "tokenizer.model"))

@@ -5,10 +5,12 @@ reads alike, so they agree without a collective) and in ``hybridrl validate-conf
 scripts run in one process before torchrun starts. A bad input then stops the job in seconds with one line,
 instead of after minutes of model building, on every rank, or deep inside vLLM or Megatron:
 
-- :func:`check_environment`: the loggers' packages are installed; the run folder can be created and written;
+- :func:`check_environment`: the loggers' packages are installed; the run folder can be created and written; a
+  ``rollout.agent`` environment loads (its file, class, construction, tool schemas: ``AgentError``);
 - :func:`check_model_folders`: each local model folder (``model.path``, ``critic.model_path``,
   ``reward.model.path``) is one the bridge can build (config.json, architecture, safetensors headers against it,
-  TP divisibility), the tokenizer's ids fit the policy's vocabulary (ids past it crash vLLM's embedding at the
+  TP divisibility), a ``rollout.agent`` environment's tools render through the tokenizer's chat template, the
+  tokenizer's ids fit the policy's vocabulary (ids past it crash vLLM's embedding at the
   first rollout, or, inside the padded vocabulary, train silently on rows no token maps to), and on CPU vLLM's
   attention runs the policy's head size;
 - :func:`load_run_tokenizer`: the tokenizer loads, or one line names ``model.tokenizer_path``;
@@ -42,10 +44,12 @@ def _first_line(err: BaseException) -> str:
 
 
 def check_environment(cfg: RunConfig) -> None:
-    """The packages of ``trainer.loggers`` import and ``trainer.default_local_dir`` is (or can be) a writable folder.
+    """The packages of ``trainer.loggers`` import, a ``rollout.agent`` environment loads and
+    ``trainer.default_local_dir`` is (or can be) a writable folder.
 
     Raises:
         ConfigError: naming the key and the fix.
+        AgentError: the ``rollout.agent`` environment does not load (see ``hybridrl.rollout.agent.load_agent``).
     """
     for name in cfg.trainer.loggers:
         package = LOGGER_PACKAGES.get(name)
@@ -55,6 +59,9 @@ def check_environment(cfg: RunConfig) -> None:
                 f"pip install {package}, or drop {name!r} from trainer.loggers",
                 key="trainer.loggers",
             )
+    from hybridrl.rollout.agent.registry import load_agent
+
+    load_agent(cfg.rollout.agent)  # imports the environment file and builds it once; AgentError on each problem
     run_dir = cfg.trainer.default_local_dir
     if run_dir is None:
         return
@@ -116,6 +123,7 @@ def check_model_folders(cfg: RunConfig, model_path: str, tokenizer: Any | None, 
 
     Raises:
         ModelPathError / HFConfigError / CheckpointError: one line naming the key and the folder.
+        AgentError: the environment's tools with a chat template that cannot render them.
     """
     from hybridrl.mcore import bridge, hf_config
 
@@ -140,6 +148,9 @@ def check_model_folders(cfg: RunConfig, model_path: str, tokenizer: Any | None, 
     if policy is not None:  # what the rollout engine makes of the policy (every folder is sound by now)
         if tokenizer is not None:
             _check_vocab(cfg, tokenizer, policy[0], model_path)
+            from hybridrl.rollout.agent.registry import check_chat, load_agent
+
+            check_chat(load_agent(cfg.rollout.agent), tokenizer)  # tools and observations render (AgentError)
         _check_rollout_head_dim(cfg, policy[1], model_path)
 
 

@@ -35,6 +35,7 @@ from hybridrl.distributed.layout import ParallelLayout
 from hybridrl.errors import InputError
 from hybridrl.protocol import DataProto
 from hybridrl.rewards import last_token_rewards
+from hybridrl.rollout.agent.metrics import agent_metrics
 from hybridrl.trainer.checkpoint import CheckpointManager
 from hybridrl.trainer.tracking import StageTimer, Tracker
 from hybridrl.workers import ClassWithInitArgs, ResourcePool, WorkerGroup
@@ -162,11 +163,16 @@ class RLTrainer:
         return gen, switch
 
     def _score(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
-        """Token-level scores: rule-based (``reward``) and/or the reward model's, both at the last token."""
+        """Token-level scores: rule-based (``reward``), the reward model's and a multi-turn environment's
+        (``agent_reward``), each at the last policy token. Scorers read the whole response: with multi-turn
+        rollouts, the trajectory with its observations."""
         responses, mask = batch.batch["responses"], batch.batch["response_mask"]
         scores, metrics = torch.zeros(mask.shape, dtype=torch.float32), {}
+        if "agent_reward" in batch.batch:
+            scores = scores + last_token_rewards(batch.batch["agent_reward"], mask)
         if self.reward is not None:
-            texts = [self.tokenizer.decode(r[m.bool()].tolist()) for r, m in zip(responses, mask, strict=True)]
+            written = batch.batch["attention_mask"][:, -responses.shape[1] :]
+            texts = [self.tokenizer.decode(r[m.bool()].tolist()) for r, m in zip(responses, written, strict=True)]
             result = self.reward(batch, texts, mask)
             scores = scores + result.token_level_scores
             metrics.update({k: float(v) for k, v in result.metrics.items()})
@@ -362,6 +368,7 @@ class RLTrainer:
                 if scored
                 else update["actor/rollout_logprob_mismatch"]
             )
+        out.update(agent_metrics(batch))  # multi-turn rollouts: turns, tool calls, end reasons, observation share
         if "ref_log_probs" in b and scored:
             out["actor/kl"] = _masked_mean(b["old_log_probs"] - b["ref_log_probs"], mask)
         if "values" in b:

@@ -244,6 +244,9 @@ class ActorRolloutWorker(_TrainedRole):
         # the tokenizer's and generation_config.json's EOS ids end responses too; an HF tokenizer's folder lets
         # vLLM match rollout.stop strings
         self.rollout = VLLMRolloutEngine.from_config(rollout, layout, self.model.hf_config, tokenizer, model_path)
+        from hybridrl.rollout.agent.loop import AgentLoop
+
+        self.agent = AgentLoop.from_config(rollout.agent, self.rollout, tokenizer, layout)  # None: single-turn
         self.switch = RolloutSwitch.build(
             self.model, self.optimizer, self.rollout, rollout, layout, getattr(torch, rollout.dtype or dtype),
             param_offload=actor.param_offload, optimizer_offload=actor.optimizer_offload,
@@ -263,11 +266,12 @@ class ActorRolloutWorker(_TrainedRole):
     def generate_sequences(self, prompts: DataProto, **sampling: Any) -> DataProto:
         """Responses for this replica's prompts: ``n`` samples per prompt, adjacent (interleaved); call between
         :meth:`switch_to_rollout` and :meth:`switch_to_training`. A ``seed`` in ``sampling`` is the whole batch's:
-        this replica offsets it past the earlier replicas' prompts."""
+        this replica offsets it past the earlier replicas' prompts. With ``rollout.agent`` each response is a multi-turn
+        trajectory (:class:`~hybridrl.rollout.agent.loop.AgentLoop`)."""
         if sampling.get("seed") is not None:
             n = sampling.get("n", self.rollout_cfg.n)
             sampling = {**sampling, "seed": sampling["seed"] + self.rollout_dp_rank * len(prompts) * n}
-        return self.rollout.generate(prompts, **sampling)
+        return (self.agent or self.rollout).generate(prompts, **sampling)
 
     @register(Dispatch.ONE_TO_ALL)
     def switch_to_training(self) -> dict[str, float]:
