@@ -46,7 +46,7 @@ class Harmless:
 HARMLESS = (
     Harmless("warning", r"Transformer Engine and Apex are not installed",
              "TransformerEngine and NVIDIA apex are GPU-only extras; on CPU Megatron's torch fallbacks are the "
-             "path hybridrl uses (STACK: plain torch optimizers, local layer spec)", cpu_only=True),
+             "path hybridrl uses (docs/cpu_stack.md: plain torch optimizers, local layer spec)", cpu_only=True),
     Harmless("warning", r"Apex is not installed\. Falling back to Torch Norm",
              "same: the torch norm is the CPU path", cpu_only=True),
     Harmless("warning", r"full scope is deprecated\. Use empty cuda_graph_scope",
@@ -62,7 +62,7 @@ HARMLESS = (
     Harmless("vllm", r"Enforce eager set, disabling torch\.compile",
              "rollout.enforce_eager is required on CPU (no CUDA graphs) and a choice on GPU"),
     Harmless("vllm", r"Inductor compilation was disabled by user settings", "follows from enforce_eager"),
-    Harmless("vllm", r"Triton is not installed", "triton is removed on CPU on purpose (STACK): vLLM's CPU kernels "
+    Harmless("vllm", r"Triton is not installed", "triton is removed on CPU on purpose: vLLM's CPU kernels "
              "need none", cpu_only=True),
     Harmless("vllm", r"Model Runner V2 requires Triton", "the V1 runner it falls back to is the tested one",
              cpu_only=True),

@@ -2,8 +2,8 @@
 
 The environment itself (its file, class, tools and the chat template) is checked by
 :func:`hybridrl.rollout.agent.registry.load_agent` at start-up, before any model is built (the config layer does
-not import the rollout package). One of :data:`hybridrl.config.checks.CHECKS`; split from that module (STYLE:
-files under 600 lines).
+not import the rollout package). One of :data:`hybridrl.config.checks.CHECKS`, in its own module as each
+feature's checks are.
 """
 
 from __future__ import annotations

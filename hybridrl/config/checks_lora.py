@@ -1,6 +1,6 @@
 """Config checks of ``actor.lora`` (:func:`check_lora`, one of :data:`hybridrl.config.checks.CHECKS`): its own
 fields, and the settings LoRA cannot run with, each a one-line error naming the key and the fix before any model
-is built. Split from :mod:`hybridrl.config.checks` (STYLE: files under 600 lines); its error helpers are imported
+is built. Split from :mod:`hybridrl.config.checks` (files stay under 600 lines); its error helpers are imported
 at call time (that module imports this one).
 """
 

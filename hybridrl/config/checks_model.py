@@ -1,6 +1,6 @@
 """Config checks against the model's shape: the layout sizes vs heads, KV groups, layers and context length
 (:func:`check_architecture`, one of :data:`hybridrl.config.checks.CHECKS`), and ``model.architecture`` fields vs
-a local checkpoint's ``config.json``. Split from :mod:`hybridrl.config.checks` (STYLE: files under 600 lines);
+a local checkpoint's ``config.json``. Split from :mod:`hybridrl.config.checks` (files stay under 600 lines);
 its one-line error helpers are imported at call time (that module imports this one).
 """
 

@@ -449,6 +449,8 @@ CASES = [
      "Megatron's optimizer, and critic.backend is 'fsdp' (AdamW on the FSDP shards); set critic.optim.backend=auto"),
     (TINY, ["trainer.launcher=ray", "trainer.save_freq=5"], "trainer.save_freq (5): Ray mode does not write "
      "checkpoints yet; set trainer.save_freq=-1 or launch SPMD (trainer.launcher=spmd, under torchrun)"),
+    (TINY, ["rollout.agent.max_turns=0"], "rollout.agent.max_turns (0) must be >= 1; set it to 1 for single-turn "
+     "trajectories"),
 ]  # fmt: skip
 
 

@@ -11,17 +11,14 @@ interface, it can be constructed, its tools' schemas are valid JSON schemas, the
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
 import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from hybridrl.rollout.agent.interface import AgentError, Environment, Tool, environment_tools
 from hybridrl.rollout.agent.parsers import Parser, get_parser
+from hybridrl.user_code import import_user_file
 
 _ENVIRONMENTS: dict[str, type] = {}
 _INTERFACE = ("reset", "step", "tools")
@@ -65,23 +62,10 @@ class AgentSpec:
 
 
 def _import_file(path: str) -> Any:
-    file = Path(path)
-    if not file.is_file():
-        raise AgentError(f"rollout.agent.path ({path!r}) does not exist; point it at the .py file of your environment")
-    module_name = "hybridrl_agent_env_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise AgentError(f"rollout.agent.path ({path!r}) cannot be imported; it must be a .py file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses and pickling in the file need the module registered
     try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        del sys.modules[module_name]
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise AgentError(f"rollout.agent.path ({path!r}) failed to import ({type(err).__name__}: {first}); fix the "
-                         "file") from err  # fmt: skip
-    return module
+        return import_user_file(path, path_key="rollout.agent.path")
+    except (FileNotFoundError, ValueError) as err:
+        raise AgentError(str(err)) from err
 
 
 def _class_from_file(path: str, name: str | None) -> type:
