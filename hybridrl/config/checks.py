@@ -371,9 +371,9 @@ def check_world(cfg: RunConfig, world: int) -> None:
         )
     if cfg.resources.max_colocate_count != 1:
         _fail(
-            f"resources.max_colocate_count ({cfg.resources.max_colocate_count}) must be 1: the SPMD backend runs "
-            "every role in one process per device (several processes per device need a Ray backend, not built "
-            "yet); set resources.max_colocate_count=1",
+            f"resources.max_colocate_count ({cfg.resources.max_colocate_count}) must be 1: every role of a device "
+            "runs in one process (SPMD and Ray mode alike, colocated on one torch.distributed world); set "
+            "resources.max_colocate_count=1",
             "resources.max_colocate_count",
         )
 

@@ -54,7 +54,7 @@ class ResourcePool:
         if self.max_colocate_count != 1:
             raise ResourceError(
                 f"resources.max_colocate_count ({self.max_colocate_count}): the SPMD backend runs every role in one "
-                f"process per device; set 1 (several processes per device need a Ray backend, not built yet)"
+                f"process per device; set 1 (Ray mode colocates every role of a device in one actor too)"
             )
         if world_size is None and dist.is_initialized():
             world_size = dist.get_world_size()

@@ -314,8 +314,8 @@ CASES = [
      "set trainer.nnodes / trainer.n_gpus_per_node to match the launch", 4),
     (P70, ["resources.process_on_nodes=[8,8,8]"], "resources.process_on_nodes ([8, 8, 8]) must list trainer.nnodes (4) "
      "positive counts summing to world_size (32); set resources.process_on_nodes=null"),
-    (TINY, ["max_colocate_count=2"], "resources.max_colocate_count (2) must be 1: the SPMD backend runs every role "
-     "in one process per device (several processes per device need a Ray backend, not built yet); set "
+    (TINY, ["max_colocate_count=2"], "resources.max_colocate_count (2) must be 1: every role of a device runs in "
+     "one process (SPMD and Ray mode alike, colocated on one torch.distributed world); set "
      "resources.max_colocate_count=1"),
     # rollout layout
     (P7, ["rollout.tp_size=3"], "rollout.tp_size: rollout_tp (3) must divide world_size (8): vLLM engines tile the "
