@@ -32,6 +32,7 @@ INSTALL_REQUIRES = [
     "omegaconf>=2.3,<2.5",
     "pyyaml>=6",
     "tensorboard>=2.14",  # a metrics sink the trainer writes by default (trainer.loggers)
+    "jsonschema>=4",  # checks agent tools' parameter schemas and the policy's tool-call arguments
 ]
 
 EXTRAS = {
