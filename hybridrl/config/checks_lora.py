@@ -47,6 +47,13 @@ def check_lora(cfg: RunConfig, world: int) -> None:
     for key, bad, fix in unsupported:
         if bad:
             _fail(f"{key} (true) cannot run with actor.lora.enable (true); set {key}={fix}", key)
+    from hybridrl.config.checks_moe import moe_fields
+    from hybridrl.config.memory import model_fields
+
+    if moe_fields(model_fields(cfg)) is not None:  # adapters on experts would need expert-parallel grads and names
+        _fail("actor.lora.enable (true) cannot adapt a mixture-of-experts model yet (its expert linears would get "
+              "data-parallel gradients and one PEFT name for all experts); set actor.lora.enable=false",
+              "actor.lora.enable")  # fmt: skip
     if cfg.ref.enable and cfg.ref.backend != "megatron":
         _fail(f"ref.backend ({_show(cfg.ref.backend)}) cannot run with actor.lora.enable (true): the reference is the "
               "actor with its adapters off; set ref.backend=megatron", "ref.backend")  # fmt: skip

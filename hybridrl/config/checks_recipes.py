@@ -26,6 +26,7 @@ from hybridrl.config.checks import (
     check_world,
     fill_derived,
 )
+from hybridrl.config.checks_moe import check_moe
 from hybridrl.config.layout import world_size_of
 from hybridrl.config.loader import compose_config
 from hybridrl.config.schema import RunConfig
@@ -34,7 +35,7 @@ from hybridrl.config.schema_roles import LOSS_AGG_MODES
 
 RECIPES = ("sft", "dpo")
 RECIPE_CHECKS = (check_choices, check_counts, check_optim, check_sources, check_world, check_layouts,
-                 check_optim_backend, check_architecture)  # fmt: skip
+                 check_optim_backend, check_architecture, check_moe)  # fmt: skip
 """The shared checks that apply to an offline recipe, in :data:`hybridrl.config.checks.CHECKS` order."""
 
 
@@ -58,6 +59,14 @@ def check_recipe(cfg: RunConfig, recipe: str) -> None:
             f"vpp_size {m.vpp_size}; lower actor.ppo_micro_batch_size_per_gpu",
             "actor.ppo_micro_batch_size_per_gpu",
         )
+    for key, bad, why in (
+        ("actor.lora.enable", cfg.actor.lora.enable, "the recipes train every weight (LoRA is for RL runs for now)"),
+        ("ref.backend", recipe == "dpo" and cfg.ref.backend != "megatron", "the DPO reference runs on Megatron"),
+    ):
+        if bad:
+            value = "true" if key == "actor.lora.enable" else repr(cfg.ref.backend)
+            default = "false" if key == "actor.lora.enable" else "megatron"
+            _fail(f"{key} ({value}) is not supported by hybridrl {recipe}: {why}; set {key}={default}", key)
     if recipe == "sft" and cfg.sft.loss_agg_mode not in LOSS_AGG_MODES[:4]:
         _fail(f"sft.loss_agg_mode ({cfg.sft.loss_agg_mode!r}) must be one of {LOSS_AGG_MODES[:4]}",
               "sft.loss_agg_mode")  # fmt: skip

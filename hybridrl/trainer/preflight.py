@@ -181,6 +181,22 @@ def _check_vocab(cfg: RunConfig, tokenizer: Any, vocab: int, path: str) -> None:
         )
 
 
+def check_rollout_family(model_path: str) -> None:
+    """The policy is a family the train -> rollout weight switch maps into vLLM: a mixture-of-experts model trains
+    with the SFT/DPO recipes, but RL would build every model and then fail in the switch (its experts are not
+    mapped yet). A local folder only (a Hub name is checked once downloaded)."""
+    from hybridrl.config.checks_moe import MOE_MODEL_TYPES
+    from hybridrl.mcore import hf_config
+
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        return
+    model_type = hf_config.load_hf_config(model_path).model_type
+    if model_type in MOE_MODEL_TYPES:
+        raise ConfigError(f"model.path ({model_path!r}) is a mixture-of-experts model ({model_type}): RL runs need the "
+                          "train -> rollout switch, which does not map experts yet (docs/moe.md); train it with "
+                          "hybridrl sft / dpo for now", key="model.path")  # fmt: skip
+
+
 def check_inputs(cfg: RunConfig) -> list[str]:
     """Everything above in one process, without torch.distributed (``hybridrl validate-config --inputs``):
     packages and run folder, the scorer, each data file (readable, required columns, a scorer for each
@@ -222,6 +238,8 @@ def check_inputs(cfg: RunConfig) -> list[str]:
         key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
         tokenizer = load_run_tokenizer(tokenizer_path, key)
     check_model_folders(cfg, cfg.model.path, tokenizer, skip=hub)
+    if "model.path" not in hub:
+        check_rollout_family(cfg.model.path)
     if "model.path" not in hub:
         check_resume(cfg, cfg.model.path)
     return notes

@@ -79,3 +79,26 @@ def test_bad_expert_settings_are_one_line_errors(tiny):
     assert "actor.megatron.sequence_parallel (false) must be true for an MoE model" in msg, msg
     msg = _error("ppo_llama2_7b.yaml", ["actor.megatron.ep_size=2"])
     assert "needs a mixture-of-experts model" in msg, msg
+
+
+def test_what_moe_cannot_do_yet_is_refused_before_models(tiny):
+    """RL on an MoE policy (the switch does not map experts) and LoRA on one (expert adapters): one line each, at
+    the points the launchers reach before any model is built."""
+    from hybridrl.trainer.preflight import check_rollout_family
+
+    with pytest.raises(ConfigError) as info:
+        check_rollout_family(tiny[0])
+    assert str(info.value).startswith(f"model.path ({tiny[0]!r}) is a mixture-of-experts model (qwen3_moe)")
+    assert "hybridrl sft / dpo" in str(info.value) and "\n" not in str(info.value)
+    msg = _error("tiny_cpu_moe.yaml", [f"model.path={tiny[0]}", "actor.lora.enable=true"])
+    assert msg.startswith("actor.lora.enable (true) cannot adapt a mixture-of-experts model yet"), msg
+
+
+def test_recipes_refuse_settings_they_would_ignore():
+    from hybridrl.config.checks_recipes import load_recipe_config
+
+    for recipe, key, value in (("sft", "actor.lora.enable", "true"), ("dpo", "ref.backend", "fsdp")):
+        with pytest.raises(ConfigError) as info:
+            load_recipe_config(recipe, f"tiny_cpu_{recipe}.yaml", [f"{key}={value}"])
+        message = str(info.value)
+        assert message.startswith(f"{key} (") and f"is not supported by hybridrl {recipe}" in message, message
