@@ -298,3 +298,7 @@ def export(checkpoint: str, out: str, role: str = "actor", tp: int = 1, pp: int 
     if penv.rank == 0:
         also = f" (LoRA adapter: {adapter})" if adapter else ""
         print(f"[hybridrl] exported {role} of {checkpoint} to {out}{also}", flush=True)
+    # every rank is done writing before any exits, and the groups go down cleanly: a rank leaving with its gloo
+    # threads still up can abort at interpreter exit ("terminate called without an active exception")
+    dist.barrier()
+    dist.destroy_process_group()
