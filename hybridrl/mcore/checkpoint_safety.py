@@ -10,8 +10,9 @@ code on every rank at resume. What hybridrl reads therefore never goes through a
   BEFORE ``dist_checkpointing.load`` sees them, because two of the readers underneath it unpickle in full:
   ``torch.distributed.checkpoint.FileSystemReader.read_metadata`` calls ``pickle.load`` on ``.metadata``, and
   ``DefaultLoadPlanner.load_bytes`` calls ``torch.load(weights_only=False)`` on every non-tensor item stored in
-  the ``.distcp`` files (Megatron's ``ShardedObject``: the layers' ``_extra_state``). The check unpickles
-  ``.metadata`` with an allow-list of the metadata dataclasses torch writes, loads every such item (and
+  the ``.distcp`` files (Megatron's ``ShardedObject``: the layers' ``_extra_state``). The check reads the
+  globals of ``.metadata`` from its opcodes (building nothing) against an allow-list of the metadata dataclasses
+  torch writes, loads every such item (and
   ``common.pt``) weights-only, and accepts only the ``torch_dist`` / ``torch`` backends in ``metadata.json``.
   Once it passes, the full unpickling that follows can only build the objects the check allowed.
 
@@ -21,10 +22,12 @@ on its own file system), and the model's HF folder, which is read as safetensors
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import json
 import os
 import pickle
+import pickletools
 import re
 from typing import Any
 
@@ -98,30 +101,82 @@ def _corrupt(path: str, err: BaseException) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{path} cannot be read ({type(err).__name__}: {detail}); the file is corrupt")
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """An unpickler that builds only torch's checkpoint-metadata classes (and torch dtypes)."""
+_STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
+_MEMO_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
+_MEMO_GETS = {"GET", "BINGET", "LONG_BINGET"}
+_REFUSED_OPS = {"OBJ", "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID"}  # classes off the stack, registries, hooks
 
-    def __init__(self, file: Any, path: str) -> None:
-        super().__init__(file)
-        self.path = path
 
-    def find_class(self, module: str, name: str) -> Any:
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if (module, name) in _METADATA_GLOBALS or dtype:
-            return super().find_class(module, name)
-        raise _refusal(self.path, f"the global {module}.{name} (not a torch checkpoint-metadata class)")
+def _py3_name(module: str, name: str) -> tuple[str, str]:
+    """A protocol < 3 pickle's Python 2 name as the unpickler imports it (``fix_imports``, the default)."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
+def pickle_globals(data: bytes, path: str) -> set[tuple[str, str]]:
+    """Every ``(module, name)`` global the pickle ``data`` would import, read from its opcodes without building
+    anything (:func:`pickletools.genops` only parses).
+
+    ``STACK_GLOBAL`` takes its two names off the stack: accepted only when the two ops right before it (memo
+    stores aside) push known strings, so the names read here are the ones the unpickler would use.
+
+    Raises:
+        UnsafeCheckpointError: an opcode that reaches objects by other means, or a ``STACK_GLOBAL`` whose names
+            are not literal strings.
+    """
+    found: set[tuple[str, str]] = set()
+    protocol = 0
+    memo: dict[int, str | None] = {}
+    pushed: list[str | None] = []  # the values of the last ops that pushed (None: not a known string)
+    for op, arg, _ in pickletools.genops(data):
+        name = op.name
+        if name in _REFUSED_OPS:
+            raise _refusal(path, f"the pickle opcode {name}")
+        if name == "PROTO":
+            protocol = int(arg)
+        if name in ("GLOBAL", "INST"):
+            module, _, attr = str(arg).partition(" ")
+            found.add(_py3_name(module, attr) if protocol < 3 else (module, attr))
+            pushed.append(None)
+        elif name == "STACK_GLOBAL":
+            if len(pushed) < 2 or not all(isinstance(v, str) for v in pushed[-2:]):
+                raise _refusal(path, "a STACK_GLOBAL whose module and name are not literal strings")
+            found.add((pushed[-2], pushed[-1]))
+            pushed.append(None)
+        elif name in _STRINGS:
+            pushed.append(str(arg))
+        elif name == "MEMOIZE":
+            memo[len(memo)] = pushed[-1] if pushed else None
+        elif name in _MEMO_PUTS:
+            memo[int(arg)] = pushed[-1] if pushed else None
+        elif name in _MEMO_GETS:
+            pushed.append(memo.get(int(arg)))
+        elif name not in ("FRAME", "PROTO"):
+            pushed.append(None)  # any other op: what follows can no longer take names from before it
+    return found
 
 
 def _read_metadata(folder: str) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = os.path.join(folder, ".metadata")
     try:
         with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f, path).load()
+            data = f.read()
+        globals_ = pickle_globals(data, path)
     except UnsafeCheckpointError:
         raise
     except Exception as err:  # missing, truncated or not a pickle: say which file
+        raise _corrupt(path, err) from None
+    for module, name in sorted(globals_):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) not in _METADATA_GLOBALS and not dtype:
+            raise _refusal(path, f"the global {module}.{name} (not a torch checkpoint-metadata class)")
+    try:  # only allow-listed classes can be built now: torch's own reader, as the load will run it
+        metadata = FileSystemReader(folder).read_metadata()
+    except Exception as err:
         raise _corrupt(path, err) from None
     if not isinstance(metadata, Metadata):
         raise _corrupt(path, TypeError(f"it holds a {type(metadata).__name__}, not checkpoint metadata"))
