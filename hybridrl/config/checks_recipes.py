@@ -74,15 +74,22 @@ def check_recipe(cfg: RunConfig, recipe: str) -> None:
         _check_dpo(cfg)
 
 
-def check_schedule(cfg: RunConfig) -> None:
-    """Once ``trainer.total_steps`` is known (the dataset read): a decaying LR schedule has steps after its warmup
-    (one optimizer step per trainer step)."""
-    o, total = cfg.actor.optim, cfg.trainer.total_steps
-    warmup = o.lr_warmup_steps if o.lr_warmup_steps is not None else int(o.lr_warmup_ratio * total)
-    if o.lr_decay_style != "constant" and warmup >= total:
-        _fail(f"actor.optim.lr_warmup_steps ({warmup}) must be below the run's optimizer steps (trainer.total_steps "
-              f"{total}) with actor.optim.lr_decay_style {o.lr_decay_style!r}; lower it, raise trainer.total_steps or "
-              "set lr_decay_style=constant", "actor.optim.lr_warmup_steps")  # fmt: skip
+def check_schedule(cfg: RunConfig, updates: dict[str, int] | None = None) -> None:
+    """Once ``trainer.total_steps`` is known (the dataset read): a decaying LR schedule has updates after its warmup.
+
+    Args:
+        cfg: the filled-in config.
+        updates: optimizer updates over the run per role ("actor" / "critic"); None = the recipes' one update per
+            trainer step for the actor.
+    """
+    for role, total in (updates or {"actor": cfg.trainer.total_steps}).items():
+        o = getattr(cfg, role).optim
+        warmup = o.lr_warmup_steps if o.lr_warmup_steps is not None else int(o.lr_warmup_ratio * total)
+        if o.lr_decay_style != "constant" and warmup >= total:
+            _fail(f"{role}.optim.lr_warmup_steps ({warmup}) must be below the run's {total} optimizer updates "
+                  f"(trainer.total_steps {cfg.trainer.total_steps}) with {role}.optim.lr_decay_style "
+                  f"{o.lr_decay_style!r}; lower it, raise trainer.total_steps or set lr_decay_style=constant",
+                  f"{role}.optim.lr_warmup_steps")  # fmt: skip
 
 
 def _check_dpo(cfg: RunConfig) -> None:

@@ -189,6 +189,18 @@ def resolve_total_steps(cfg: RunConfig, num_prompts: int) -> int:
     return cfg.trainer.total_steps
 
 
+def resolve_rl_steps(cfg: RunConfig, num_prompts: int) -> int:
+    """:func:`resolve_total_steps` for an RL run, then its roles' LR schedules against their optimizer updates
+    (a warmup as long as a decaying schedule is a config error here, not a traceback in the first update)."""
+    from hybridrl.config.checks import optimizer_steps
+    from hybridrl.config.checks_recipes import check_schedule
+
+    total = resolve_total_steps(cfg, num_prompts)
+    roles = ["actor", "critic"] if cfg.critic.enable else ["actor"]
+    check_schedule(cfg, {role: optimizer_steps(cfg, role) for role in roles})
+    return total
+
+
 def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
     """Run ``config`` with ``overrides`` in this (already launched) process; returns the metric history."""
     from hybridrl.rewards import RewardManager
@@ -220,7 +232,7 @@ def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
     train_ds = RLHFDataset(train_files, tokenizer, cfg.data)  # bad data: DataError, one line (file, row, fix)
     val_ds = RLHFDataset(val_files, tokenizer, cfg.data) if val_files else None
     check_reward_sources(reward, train_ds, val_ds)
-    resolve_total_steps(cfg, len(train_ds))
+    resolve_rl_steps(cfg, len(train_ds))
     if penv.rank == 0:
         print(f"[hybridrl] {start_summary(cfg, layout)}; {data_summary(cfg, train_ds, val_ds)}", flush=True)
     trainer = RLTrainer(cfg, layout, model_path, tokenizer, train_ds, val_ds, reward)

@@ -22,6 +22,7 @@ for a model or tokenizer folder).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import tempfile
@@ -223,10 +224,10 @@ def check_inputs(cfg: RunConfig) -> list[str]:
         rows += len(columns["data_source"]) if i < len(cfg.data.train_files) else 0
     if reward is not None:
         reward.check_data_sources(sorted(sources))  # every data_source has a scorer (the rows are checked by the run)
-    if rows < cfg.data.train_batch_size:  # before prompts too long are dropped: the run can only have fewer
-        from hybridrl.trainer.main import resolve_total_steps
+    # Rows before prompts too long are dropped: the run can only have fewer batches, so what fails here fails there.
+    from hybridrl.trainer.main import resolve_rl_steps
 
-        resolve_total_steps(cfg, rows)
+    resolve_rl_steps(copy.deepcopy(cfg), rows)
     notes, hub = [], []
     for key, path, _, _ in model_folders(cfg, cfg.model.path):
         if not os.path.exists(path) and _is_hub_name(path):

@@ -76,7 +76,7 @@ class RayRun:
         """The run of ``cfg`` (demo assets made, folders checked, ``trainer.total_steps`` resolved) and its
         training / validation datasets, as :func:`hybridrl.trainer.main.train` makes them on every rank."""
         from hybridrl.data import RLHFDataset
-        from hybridrl.trainer.main import _data, resolve_total_steps
+        from hybridrl.trainer.main import _data, resolve_rl_steps
         from hybridrl.trainer.preflight import check_model_folders, check_resume
 
         owns_world = driver_world()
@@ -91,7 +91,7 @@ class RayRun:
         check_resume(cfg, model_path)
         train_ds = RLHFDataset(train_files, tokenizer, cfg.data)
         val_ds = RLHFDataset(val_files, tokenizer, cfg.data) if val_files else None
-        resolve_total_steps(cfg, len(train_ds))
+        resolve_rl_steps(cfg, len(train_ds))
         return cls(cfg, layout, model_path, tokenizer, owns_world), train_ds, val_ds
 
     def close(self) -> None:
