@@ -4,6 +4,7 @@
     hybridrl sft CONFIG [key=value ...]            (supervised fine-tuning; under torchrun / srun)
     hybridrl dpo CONFIG [key=value ...]            (preference pairs; under torchrun / srun)
     hybridrl validate-config CONFIG [key=value ...] [--world-size N] [--device-gib G] [--get KEY] [--inputs]
+                             [--recipe sft|dpo]
     hybridrl export CHECKPOINT OUT [--role actor] [--tp 1] [--pp 1]   (under torchrun, any number of processes)
     hybridrl version
 
@@ -11,7 +12,8 @@
 cross-field check), prints the resolved YAML and, per role, the parallel layout: which ranks are
 tensor/pipeline/data-parallel peers, and a memory estimate; ``--get KEY`` prints only one resolved value (the
 launch scripts read trainer.n_gpus_per_node so); ``--inputs`` also opens every input the run reads before its
-models (:mod:`hybridrl.trainer.preflight`), as the launch scripts do before starting torchrun. ``export`` writes a
+models (:mod:`hybridrl.trainer.preflight`), as the launch scripts do before starting torchrun; ``--recipe``
+checks a ``hybridrl sft`` / ``dpo`` config instead of an RL one. ``export`` writes a
 checkpoint's actor (or critic) as an HF folder:
 
     torchrun --nproc-per-node N -m hybridrl export ckpts/global_step_100 hf_out [--tp N]
@@ -47,9 +49,10 @@ def _format_groups(groups: list[list[int]], limit: int = 4) -> str:
     return shown + (f" ... ({len(groups)} groups)" if len(groups) > limit else "")
 
 
-def layout_report(layout, roles: list[str], backend: str = "vllm") -> str:
+def layout_report(layout, roles: list[str], backend: str | None = "vllm") -> str:
     """The run's layout (:func:`hybridrl.config.layout.run_layout`): the training groups, shared by ``roles``,
-    and the generation groups (vLLM engines and the replica groups over which prompts are split)."""
+    and the generation groups (vLLM engines and the replica groups over which prompts are split; none when
+    ``backend`` is None: an offline recipe)."""
     lines = [f"train   {layout.describe()}, shared by {', '.join(roles)}"]
     for axis in ("tp", "pp", "dp"):
         lines.append(f"        {axis} peers: {_format_groups(layout.groups(axis))}")
@@ -57,6 +60,8 @@ def layout_report(layout, roles: list[str], backend: str = "vllm") -> str:
         from hybridrl.config.checks_moe import ep_groups
 
         lines.append(f"        ep peers: {_format_groups(ep_groups(layout))}")
+    if backend is None:
+        return "\n".join(lines)
     lines.append(f"rollout {backend} tp={layout.rollout_tp} replicas={layout.rollout_replicas}")
     lines.append(f"        engines: {_format_groups(layout.groups('rollout_tp'))}")
     lines.append(f"        replica groups: {_format_groups(layout.groups('rollout_dp'))}")
@@ -110,12 +115,15 @@ def cmd_validate_config(argv: list[str]) -> int:
         help="also open what the run reads before building models (data files, tokenizer, local model folders, "
         "the scorer, the loggers' packages, the run folder), as on the machine that runs it; the launch scripts do",
     )
+    parser.add_argument("--recipe", choices=("sft", "dpo"), help="check a hybridrl sft / dpo config (the run's checks)")
     args = parser.parse_intermixed_args(argv)  # options before or after the overrides
     if args.device_gib is not None and args.device_gib <= 0:
         print(
             f"--device-gib ({args.device_gib:g}) must be > 0: one GPU's memory in GiB; omit it for CPU", file=sys.stderr
         )
         return 2
+    if args.recipe is not None:
+        return _validate_recipe_config(args)
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
     if args.get is not None:
         print(config_value(cfg, args.get))
@@ -145,6 +153,29 @@ def cmd_validate_config(argv: list[str]) -> int:
     print(report(cfg, device_gib=args.device_gib, layout=layout))
     for line in notes:
         print(line)
+    return 0
+
+
+def _validate_recipe_config(args: argparse.Namespace) -> int:
+    """``validate-config --recipe R``: the recipe's own config checks (:func:`load_recipe_config`), its layout and,
+    with ``--inputs``, what the recipe run opens before its models."""
+    from hybridrl.config import run_layout, to_yaml, world_size_of
+    from hybridrl.config.checks_recipes import load_recipe_config, sequences_per_step
+
+    cfg = load_recipe_config(args.recipe, args.config, args.overrides, world_size=args.world_size)
+    if args.get is not None:
+        print(config_value(cfg, args.get))
+        return 0
+    if args.inputs:
+        from hybridrl.trainer.recipes import check_recipe_inputs
+
+        check_recipe_inputs(cfg, args.recipe)
+    world = args.world_size or world_size_of(cfg)
+    if not args.quiet:
+        print(to_yaml(cfg))
+    print(f"# world size {world} = {cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node} process(es)")
+    print(layout_report(run_layout(cfg, world), ["actor"] + ["ref"] * bool(cfg.ref.enable), None))
+    print(f"# {args.recipe}: {sequences_per_step(cfg, args.recipe)} sequences per optimizer step over all DP ranks")
     return 0
 
 

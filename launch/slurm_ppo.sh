@@ -4,6 +4,7 @@
 #   sbatch launch/slurm_ppo.sh                                      # 2 nodes x 8 GPUs, ppo_llama2_7b.yaml
 #   sbatch --nodes=4 launch/slurm_ppo.sh actor.optim.lr=5e-7        # arguments are config overrides
 #   CONFIG=grpo_qwen2_7b.yaml sbatch launch/slurm_ppo.sh
+#   CONFIG=my_sft.yaml sbatch launch/slurm_ppo.sh sft             # a first argument sft / dpo: that recipe
 #   DRY_RUN=1 SLURM_JOB_NODELIST="gpu[01-02]" SLURM_JOB_NUM_NODES=2 bash launch/slurm_ppo.sh key=value
 #
 # Submit from the repository root (sbatch runs a spooled copy of this file, so the repository is found from
@@ -40,6 +41,13 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [ -f "$HERE/launch/slurm_ppo.sh" ]; then ROOT_GUESS=$HERE; else ROOT_GUESS=${SLURM_SUBMIT_DIR:-$PWD}; fi
 HYBRIDRL_ROOT=${HYBRIDRL_ROOT:-$ROOT_GUESS}
 CONFIG=${CONFIG:-ppo_llama2_7b.yaml}
+# An optional first argument names the command: train (PPO/GRPO, the default), sft or dpo.
+COMMAND=train
+RECIPE=()
+case "${1:-}" in
+  train) shift ;;
+  sft | dpo) COMMAND=$1; RECIPE=(--recipe "$1"); shift ;;
+esac
 # A config file named relative to the submit folder (the batch script's working directory), made absolute
 # before the cd below (a packaged name that is not a file here stays a name).
 if [ -f "$CONFIG" ]; then CONFIG="$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")"; fi
@@ -96,9 +104,9 @@ TRAIN_ARGS=("$CONFIG" "trainer.nnodes=$NNODES" "trainer.n_gpus_per_node=$GPUS_PE
 # the run reads before its models (data files, tokenizer, local model folders, scorer, loggers, run folder).
 INPUTS=(--inputs)
 if [ "$DRY_RUN" = 1 ]; then INPUTS=(); fi
-"$PYTHON" -m hybridrl validate-config "${TRAIN_ARGS[@]}" "$@" --quiet "${INPUTS[@]}" >&2
+"$PYTHON" -m hybridrl validate-config "${TRAIN_ARGS[@]}" "$@" --quiet "${INPUTS[@]}" "${RECIPE[@]}" >&2
 
-NODE_CMD=("$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m hybridrl train "${TRAIN_ARGS[@]}" "$@")
+NODE_CMD=("$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m hybridrl "$COMMAND" "${TRAIN_ARGS[@]}" "$@")
 if [ "$DRY_RUN" = 1 ]; then
   echo "head node: $HEAD"
   echo "srun: $(quote srun "${SRUN_ARGS[@]}" "${NODE_CMD[@]}")"

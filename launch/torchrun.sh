@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# PPO/GRPO on one machine (a workstation, a login node, a single GPU node) or on a few nodes by hand.
+# PPO/GRPO (or SFT / DPO) on one machine (a workstation, a login node, a single GPU node) or on a few nodes by hand.
 #
 #   bash launch/torchrun.sh                                   # tiny_cpu.yaml on its 2 ranks (CPU, or 2 GPUs)
+#   bash launch/torchrun.sh sft                               # hybridrl sft (tiny_cpu_sft.yaml); dpo likewise
 #   CONFIG=ppo_llama2_7b.yaml bash launch/torchrun.sh trainer.total_steps=10   # arguments are config overrides
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 bash launch/torchrun.sh ...        # by hand on node 1 of 2
 #   DRY_RUN=1 bash launch/torchrun.sh                         # validate and print the command only
@@ -11,7 +12,8 @@
 # launched; an error a rank meets later is one line too.
 #
 # Knobs (environment):
-#   CONFIG             config name or path (from the caller's folder)  default tiny_cpu.yaml
+#   CONFIG             config name or path (from the caller's folder)  default tiny_cpu.yaml (sft / dpo:
+#                                                                     tiny_cpu_sft.yaml / tiny_cpu_dpo.yaml)
 #   NPROC              processes on this node; "auto": one per         default the config's
 #                      visible GPU (2 CPU processes without GPUs)      trainer.n_gpus_per_node
 #   NNODES             nodes                                          default 1
@@ -26,7 +28,14 @@
 set -euo pipefail
 
 HYBRIDRL_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-CONFIG=${CONFIG:-tiny_cpu.yaml}
+# An optional first argument names the command: train (PPO/GRPO, the default), sft or dpo.
+COMMAND=train
+RECIPE=()
+case "${1:-}" in
+  train) shift ;;
+  sft | dpo) COMMAND=$1; RECIPE=(--recipe "$1"); shift ;;
+esac
+if [ "$COMMAND" = train ]; then CONFIG=${CONFIG:-tiny_cpu.yaml}; else CONFIG=${CONFIG:-tiny_cpu_$COMMAND.yaml}; fi
 # A config file named relative to the caller's directory, made absolute before the cd below (a packaged
 # name that is not a file here stays a name).
 if [ -f "$CONFIG" ]; then CONFIG="$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")"; fi
@@ -60,7 +69,8 @@ if [ "$NPROC" = auto ]; then
   if [ "$GPUS" -gt 0 ]; then NPROC=$GPUS; else NPROC=2; fi
 elif [ -z "$NPROC" ]; then
   # The ranks the config is sized for (its batch rules assume them); a config error stops here, in one line.
-  NPROC=$("$PYTHON" -m hybridrl validate-config "$CONFIG" "trainer.nnodes=$NNODES" "$@" --get trainer.n_gpus_per_node)
+  NPROC=$("$PYTHON" -m hybridrl validate-config "$CONFIG" "trainer.nnodes=$NNODES" "$@" "${RECIPE[@]}" \
+    --get trainer.n_gpus_per_node)
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # ranks share the cores; torchrun would set 1 with a warning
 export CUDA_DEVICE_MAX_CONNECTIONS=1          # Megatron: one hardware queue keeps TP comm ordered (no-op on CPU)
@@ -76,9 +86,9 @@ TRAIN_ARGS=("$CONFIG" "trainer.nnodes=$NNODES" "trainer.n_gpus_per_node=$NPROC")
 # models (data files, tokenizer, local model folders, scorer, loggers, run folder), on this node.
 INPUTS=(--inputs)
 if [ "$DRY_RUN" = 1 ]; then INPUTS=(); fi
-"$PYTHON" -m hybridrl validate-config "${TRAIN_ARGS[@]}" "$@" --quiet "${INPUTS[@]}" >&2
+"$PYTHON" -m hybridrl validate-config "${TRAIN_ARGS[@]}" "$@" --quiet "${INPUTS[@]}" "${RECIPE[@]}" >&2
 
-CMD=("$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m hybridrl train "${TRAIN_ARGS[@]}" "$@")
+CMD=("$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m hybridrl "$COMMAND" "${TRAIN_ARGS[@]}" "$@")
 QUOTED=$(printf '%q ' "${CMD[@]}")
 if [ "$DRY_RUN" = 1 ]; then
   echo "torchrun: ${QUOTED% }"

@@ -215,8 +215,12 @@ def check_inputs(cfg: RunConfig) -> list[str]:
 
     check_environment(cfg)
     reward = RewardManager.from_config(cfg.reward)
-    if cfg.data.demo_task:
-        return []  # the run makes its data, tokenizer and model
+    if cfg.data.demo_task:  # the run makes its data, tokenizer and model
+        if cfg.trainer.total_steps is not None:
+            from hybridrl.trainer.main import resolve_rl_steps
+
+            resolve_rl_steps(copy.deepcopy(cfg), cfg.data.train_batch_size)
+        return []
     sources, rows = set(), 0
     for i, path in enumerate([*cfg.data.train_files, *cfg.data.val_files]):
         columns = read_rows(path, required=(cfg.data.prompt_key, "data_source", "reward_model"))

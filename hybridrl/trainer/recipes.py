@@ -157,6 +157,32 @@ def _datasets(cfg: RunConfig, recipe: str, tokenizer: Any, train: list[str], val
     return make(train), make(val) if val else None
 
 
+def check_recipe_inputs(cfg: RunConfig, recipe: str) -> None:
+    """What :func:`run` opens before its models, in one process without torch.distributed (``hybridrl
+    validate-config --recipe R --inputs``): packages and run folder, the data files and their rows, the tokenizer,
+    the local model folders, the checkpoint to resume and the LR schedule against the steps. The demo task makes
+    its inputs in the run, so only the config is checked for it.
+
+    Raises:
+        InputError: the first bad input, in one line.
+    """
+    from hybridrl.config.checks_recipes import check_schedule
+    from hybridrl.trainer.main import _data, resolve_total_steps
+    from hybridrl.trainer.preflight import check_environment, check_model_folders, check_resume
+
+    check_environment(cfg)
+    if cfg.data.demo_task:
+        if cfg.trainer.total_steps is not None:  # known without the data
+            check_schedule(cfg)
+        return
+    model_path, tokenizer, train_files, val_files = _data(cfg)
+    check_model_folders(cfg, model_path, tokenizer)
+    check_resume(cfg, model_path)
+    train_ds, _ = _datasets(cfg, recipe, tokenizer, train_files, val_files)
+    resolve_total_steps(cfg, len(train_ds))
+    check_schedule(cfg)
+
+
 def run(recipe: str, config: str, overrides: list[str]) -> list[dict[str, float]]:
     """Run ``recipe`` ("sft" / "dpo") with ``config`` and ``overrides`` in this (already launched) process; returns
     the metric history."""

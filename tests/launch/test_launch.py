@@ -98,6 +98,10 @@ def test_slurm_dry_run_two_nodes(tmp_path):
     result = _bash("slurm_ppo.sh", env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "--rdzv-endpoint node-a:31000" in result.stdout and "srun --nodes 2" in result.stdout
+    sft = _bash("slurm_ppo.sh", "sft", env={**env, "CONFIG": "tiny_cpu_sft.yaml", "GPUS_PER_NODE": "2"})
+    assert sft.returncode == 0, sft.stdout + sft.stderr
+    command = _line(sft.stdout, "per node: ")
+    assert command[command.index("hybridrl") + 1 :][:2] == ["sft", "tiny_cpu_sft.yaml"], command
 
 
 def test_bad_override_fails_before_launch():
@@ -161,6 +165,30 @@ def test_torchrun_launcher_trains_tiny_config(tmp_path):
     assert "actor/loss" in history[0] and "critic/loss" in history[0]
     last = result.stdout.strip().splitlines()[-1]  # what the run achieved and where its outputs are
     assert last.startswith("[hybridrl] done: 1 steps in ") and f"; metrics {out}/logs/metrics.jsonl;" in last, last
+
+
+@pytest.mark.multirank
+def test_torchrun_launcher_runs_the_recipes(tmp_path):
+    """``launch/torchrun.sh sft`` trains its packaged config (2 ranks, the demo task) through ``hybridrl sft``; a
+    bad DPO override and a missing model folder stop before torchrun starts, in one line, exit 2."""
+    out = tmp_path / "sft"
+    env = _env(NPROC="2", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    overrides = ["trainer.total_steps=2", f"trainer.default_local_dir={out}", "trainer.test_freq=-1"]
+    warm = _bash("torchrun.sh", "sft", *overrides, env=env)  # the packaged warmup is 5 steps: one line, nothing run
+    assert warm.returncode == 2 and "[torchrun.sh]" not in warm.stderr, warm.stderr
+    assert warm.stderr.strip().startswith("config error: actor.optim.lr_warmup_steps (5) must be below the run's 2 ")
+    overrides += ["actor.optim.lr_warmup_steps=1", "trainer.loggers=[jsonl]"]
+    result = _bash("torchrun.sh", "sft", *overrides, env=env, timeout=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert " -m hybridrl sft tiny_cpu_sft.yaml " in result.stderr  # the launched command
+    history = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2] and all("sft/loss" in h for h in history), history
+    bad = _bash("torchrun.sh", "dpo", "dpo.beta=0", env=env)
+    assert bad.returncode == 2 and bad.stderr.strip() == "config error: dpo.beta (0.0) must be > 0 (e.g. 0.1)", bad
+    own = ["data.demo_task=false", f"model.path={tmp_path}/none", f"data.train_files=[{tmp_path}/pairs.parquet]"]
+    missing = _bash("torchrun.sh", "dpo", *own, env=env)
+    assert missing.returncode == 2 and "[torchrun.sh]" not in missing.stderr, missing.stderr
+    assert missing.stderr.strip().startswith(f"model error: model.path ('{tmp_path}/none') is not a folder"), missing
 
 
 def _own_inputs(tmp_path: Path, rows: list[dict]) -> list[str]:
