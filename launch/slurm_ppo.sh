@@ -41,13 +41,10 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [ -f "$HERE/launch/slurm_ppo.sh" ]; then ROOT_GUESS=$HERE; else ROOT_GUESS=${SLURM_SUBMIT_DIR:-$PWD}; fi
 HYBRIDRL_ROOT=${HYBRIDRL_ROOT:-$ROOT_GUESS}
 CONFIG=${CONFIG:-ppo_llama2_7b.yaml}
-# An optional first argument names the command: train (PPO/GRPO, the default), sft or dpo.
-COMMAND=train
-RECIPE=()
-case "${1:-}" in
-  train) shift ;;
-  sft | dpo) COMMAND=$1; RECIPE=(--recipe "$1"); shift ;;
-esac
+# shellcheck source=launch/command.sh
+source "$HYBRIDRL_ROOT/launch/command.sh"
+hybridrl_command "$@"
+shift "$COMMAND_ARGS"
 # A config file named relative to the submit folder (the batch script's working directory), made absolute
 # before the cd below (a packaged name that is not a file here stays a name).
 if [ -f "$CONFIG" ]; then CONFIG="$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")"; fi

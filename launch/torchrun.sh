@@ -28,13 +28,10 @@
 set -euo pipefail
 
 HYBRIDRL_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-# An optional first argument names the command: train (PPO/GRPO, the default), sft or dpo.
-COMMAND=train
-RECIPE=()
-case "${1:-}" in
-  train) shift ;;
-  sft | dpo) COMMAND=$1; RECIPE=(--recipe "$1"); shift ;;
-esac
+# shellcheck source=launch/command.sh
+source "$HYBRIDRL_ROOT/launch/command.sh"
+hybridrl_command "$@"
+shift "$COMMAND_ARGS"
 if [ "$COMMAND" = train ]; then CONFIG=${CONFIG:-tiny_cpu.yaml}; else CONFIG=${CONFIG:-tiny_cpu_$COMMAND.yaml}; fi
 # A config file named relative to the caller's directory, made absolute before the cd below (a packaged
 # name that is not a file here stays a name).
