@@ -15,27 +15,12 @@ not finite (weights, moments and the schedule step unchanged), else scale the gr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hybridrl.mcore.lr_schedule import LRSchedule
-
-
-@dataclass
-class StepResult:
-    """Outcome of one :meth:`FSDPOptimizer.step` (the same on every rank)."""
-
-    grad_norm: float
-    """Global gradient norm before clipping (NaN/Inf when the step was skipped)."""
-    lr: float
-    """Learning rate used (or that would have been used)."""
-    skipped: bool
-    """True when the gradients were not finite and the update was not applied."""
-    num_steps: int
-    """Updates applied so far, this one included."""
+from hybridrl.mcore.lr_schedule import LRSchedule, StepResult
 
 
 def schedule_of(optim: Any, total_steps: int) -> LRSchedule:

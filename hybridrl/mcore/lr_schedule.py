@@ -8,7 +8,8 @@ gradients) do not advance it. With ``W = warmup_steps`` and ``T = total_steps``:
     linear:     min_lr + (lr - min_lr) * (1 - q)         q = clamp((step - W) / (T - W), 0, 1)
     cosine:     min_lr + (lr - min_lr) * (1 + cos(pi q)) / 2
 
-Pure Python, no torch: the same function drives the CPU (``torch.optim``) and GPU (Megatron) optimizers.
+Pure Python, no torch: the same function drives the CPU (``torch.optim``), GPU (Megatron) and FSDP optimizers,
+which also share :class:`StepResult`, what a step reports.
 """
 
 from __future__ import annotations
@@ -61,3 +62,17 @@ class LRSchedule:
         else:
             factor = 0.5 * (1.0 + math.cos(math.pi * q))
         return self.min_lr + (self.lr - self.min_lr) * factor
+
+
+@dataclass
+class StepResult:
+    """Outcome of one optimizer step (identical on every rank); the Megatron and FSDP optimizers both return it."""
+
+    grad_norm: float
+    """Global gradient norm before clipping (NaN/Inf when the step was skipped)."""
+    lr: float
+    """Learning rate used (or that would have been used)."""
+    skipped: bool
+    """True when the gradients were not finite and the update was not applied."""
+    num_steps: int
+    """Updates applied so far, this one included."""

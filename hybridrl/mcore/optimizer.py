@@ -34,7 +34,7 @@ from megatron.core import parallel_state as mpu
 
 from hybridrl.mcore import moe_optim
 from hybridrl.mcore.gpt import check_tensor_parallel_attributes
-from hybridrl.mcore.lr_schedule import LRSchedule
+from hybridrl.mcore.lr_schedule import LRSchedule, StepResult
 
 BACKENDS = ("auto", "torch", "megatron")
 
@@ -72,20 +72,6 @@ class OptimConfig:
 
     def schedule(self) -> LRSchedule:
         return LRSchedule(self.lr, self.min_lr, self.warmup_steps, self.total_steps, self.lr_decay_style)
-
-
-@dataclass
-class StepResult:
-    """Outcome of one :meth:`step` (identical on every rank)."""
-
-    grad_norm: float
-    """Global gradient norm before clipping (NaN/Inf when the step was skipped)."""
-    lr: float
-    """Learning rate used (or that would have been used)."""
-    skipped: bool
-    """True when the gradients were not finite and the update was not applied."""
-    num_steps: int
-    """Updates applied so far, this one included."""
 
 
 def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
