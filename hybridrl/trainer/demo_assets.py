@@ -138,7 +138,8 @@ def make_demo_assets(
     model = transformers.LlamaForCausalLM(_hf_config(cfg, tok.vocab_size, tok)).float()
     losses = []
     if warmup_steps and agent:
-        losses = fit(model, demo_agent.agent_examples(agent, tok, train, seed), tok.pad_token_id, warmup_steps, seed)
+        examples = demo_agent.agent_examples(agent, tok, train, seed)
+        losses = fit(model, examples, tok.pad_token_id, warmup_steps, seed, lr=demo_agent.AGENT_WARMUP_LR)
     elif warmup_steps:
         losses = warm_up(model, tok, train, warmup_steps, seed)
     model.save_pretrained(assets.model_path, safe_serialization=True)

@@ -3,9 +3,10 @@
 every trajectory interleaves policy and observation tokens.
 
 Checks: each step logs the agent metrics (turns > 1, observation tokens, end reasons); the actor's recomputed
-log-probs equal vLLM's on policy tokens (``rollout/logprob_mismatch`` <= 1e-4, fp32) at training TP 2 (GRPO) and
-at PP 2 (PPO with a critic), at step 2 after the weights changed; and a run stopped after step 2 and resumed
-reproduces step 3 of the uninterrupted run (losses, grad norms, rewards, turns; 1e-6).
+log-probs equal vLLM's on policy tokens (``rollout/logprob_mismatch`` <= 1e-4, fp32, every step: step 2 runs on
+updated weights) at training TP 2 (GRPO), at PP 2 (PPO with a critic) and with one vLLM engine over both ranks
+(rollout TP 2, training TP 2 or DP 2); and a run stopped after step 2 and resumed reproduces step 3 of the
+uninterrupted run (losses, grad norms, rewards, turns; 1e-6).
 """
 
 from __future__ import annotations
@@ -69,3 +70,15 @@ def test_ppo_at_pp2_log_probs_match_vllm(tmp_path):
                      "critic.enable=true", "algorithm.adv_estimator=gae")  # fmt: skip
     _check(history, 2)
     assert all(math.isfinite(h["critic/loss"]) and h["critic/grad_norm"] > 0 for h in history.values())
+
+
+DP2 = ("actor.megatron.tp_size=1", "actor.ppo_micro_batch_size_per_gpu=2")  # 2 prompts x 2 samples per DP rank
+
+
+@pytest.mark.parametrize("training", [("actor.megatron.tp_size=2",), DP2], ids=["tp2", "dp2"])
+def test_rollout_tp2_log_probs_match_vllm(tmp_path, training):
+    """One vLLM engine spanning both ranks (rollout TP 2): its first rank runs the environments and broadcasts each
+    iteration's queue to the other, fed by a TP-2 or a DP-2 actor; every step's policy tokens match (<= 1e-4)."""
+    history = _train(tmp_path / "r", "trainer.total_steps=2", "rollout.tp_size=2", *training)
+    print({s: (h["rollout/logprob_mismatch"], h["agent/turns_mean"]) for s, h in history.items()})
+    _check(history, 2)
