@@ -295,7 +295,8 @@ def table(sides: dict[str, dict], model: str, peak: float) -> list[str]:
     bases = [k for k in sides if k != "hybridrl"]
     hyb = sides["hybridrl"]
     cols = "".join(f" {k + ' s':>9s}" for k in sides) + "".join(f" {'hyb/' + k:>9s}" for k in bases)
-    lines = [f"{'stage':14s}{cols}   share of the {peak:.0f} GFLOP/s fp32 GEMM peak (" + ", ".join(sides) + ")"]
+    lines = [f"{'stage':14s}{cols}   share of the {peak:.0f} GFLOP/s fp32 GEMM peak (" + ", ".join(sides)
+             + "); hybridrl's busy cores per process"]  # fmt: skip
     tokens = {k: _mean(r["records"], "tokens") for k, r in sides.items() if k != "hybridrl"}
     tokens["hybridrl"] = _mean(hyb["records"], "perf/tokens_per_s") * _mean(hyb["records"], "timing_s/step")
     step_flops = {k: 0.0 for k in sides}
@@ -315,7 +316,8 @@ def table(sides: dict[str, dict], model: str, peak: float) -> list[str]:
                 flops = PASSES.get(name, 0) * forward_flops(model, tokens[k], PROMPTS * N) if t else 0.0
                 step_flops[k] += flops
             shares.append(f"{100 * flops / 1e9 / t / peak:3.0f}%" if t and flops else "  -")
-        lines.append(f"{ours:14s}{row}   {' '.join(shares)}")
+        cores = _mean(hyb["records"], f"perf/cpu_cores/{ours}")
+        lines.append(f"{ours:14s}{row}   {' '.join(shares)}" + (f"  {cores:4.2f}" if cores is not None else ""))
     tps = {k: tokens[k] / _mean(r["records"], "timing_s/step" if k == "hybridrl" else "step") for k, r in sides.items()}
     lines.append(f"{'tokens/s':14s}" + "".join(f" {tps[k]:9.1f}" for k in sides)
                  + "".join(f" {tps['hybridrl'] / tps[k]:8.2f}x" for k in bases) + "   (speed-up)")  # fmt: skip

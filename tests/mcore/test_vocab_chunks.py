@@ -4,7 +4,8 @@ One process (no tensor parallelism; the TP2 case is tests/mcore/test_compute.py)
 columns, a chunk of 4 rows (so four chunks, the last one short), at temperature 0.7, with a padded vocabulary (the
 last 6 columns out of the softmax) and without. Reference: ``torch.log_softmax`` in fp64 on the same logits.
 Log-probs, entropy and the gradient of a loss that uses both, only the log-probs (the entropy's gradient never
-arrives) or only the entropy, within 1e-6 relative to max(1, |value|); the chunked results equal the one-chunk results within 1e-7.
+arrives) or only the entropy, within 1e-6 relative to max(1, |value|); the chunked results equal the one-chunk
+results within 1e-7.
 """
 
 from __future__ import annotations
