@@ -125,4 +125,3 @@ def test_stage_timer_counts_busy_cores():
     assert m["timing_s/spin"] >= 0.2 and m["timing_s/sleep"] >= 0.2
     # one thread: at most one core (less on a loaded machine, which deschedules it); a sleep keeps none busy
     assert m["perf/cpu_cores/sleep"] < 0.05 < m["perf/cpu_cores/spin"] <= 1.1
-
