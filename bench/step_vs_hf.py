@@ -38,6 +38,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 MODELS = {  # HF Llama fields; vocab > the tokenizer's pieces (rows past it are never sampled by a trained model)
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=2176),
@@ -221,6 +222,22 @@ def run_hf(paths: dict, args, work: str, threads: int) -> dict:
         return {"records": json.load(f), "peak_gb": peak, "wall": wall}
 
 
+def run_trl(paths: dict, args, work: str, threads: int) -> dict:
+    """TRL's GRPOTrainer on the same work (``bench/trl_baseline.py``), from ``--trl-site``."""
+    spec = {**paths, "steps": args.steps, "response": args.response_length, "threads": threads, "seed": 1,
+            "out": os.path.join(work, "trl.json"), "work": os.path.join(work, "trl"),
+            "gradient_checkpointing": args.trl_checkpointing}  # fmt: skip
+    with open(os.path.join(work, "trl_spec.json"), "w") as f:
+        json.dump(spec, f)
+    site = os.path.abspath(args.trl_site)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join([site, ROOT])}
+    cmd = [sys.executable, os.path.abspath(__file__), "--trl-worker", os.path.join(work, "trl_spec.json")]
+    wall, peak = _run(cmd, env, os.path.join(work, "trl.log"))
+    with open(spec["out"]) as f:
+        out = json.load(f)
+    return {"records": out["records"], "settings": out["settings"], "peak_gb": peak, "wall": wall}
+
+
 def run_hybridrl(paths: dict, args, work: str, nproc: int, threads: int) -> dict:
     out = os.path.join(work, "hybridrl")
     shutil.rmtree(out, ignore_errors=True)
@@ -257,41 +274,91 @@ def _mean(records: list[dict], key: str) -> float | None:
     return sum(kept) / len(kept) if kept else None
 
 
-def table(hf: dict, hyb: dict) -> list[str]:
-    lines = [f"{'stage':14s} {'HF s':>8s} {'hybridrl s':>11s} {'hybridrl/HF':>12s}"]
+def forward_flops(model: str, tokens: float, sequences: int) -> float:
+    """Model FLOPs of one forward over ``tokens`` tokens in ``sequences`` causal rows: 2 x (matmul params) per token
+    (the output layer included, the embedding lookup not) + 2 * h * L^2 per layer and row for the attention
+    scores and their values (causal: half of 4 h L^2), L the mean row length. Backward is twice this."""
+    c = MODELS[model]
+    h, i, layers, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+    per_token = 2 * (layers * (2 * h * h + 2 * h * kv + 3 * h * i) + h * v)
+    length = tokens / max(sequences, 1)
+    return per_token * tokens + layers * 2 * h * length**2 * sequences
+
+
+PASSES = {"rollout": 1, "generate": 1, "old_log_prob": 1, "ref": 1, "update_actor": 3, "update": 3}
+"""Forward-equivalents of each stage's model FLOPs (generation: each token once, with the KV cache)."""
+
+
+def table(sides: dict[str, dict], model: str, peak: float) -> list[str]:
+    """Per stage: each side's seconds, hybridrl's time ratio to each baseline and its share of the GEMM peak."""
+    bases = [k for k in sides if k != "hybridrl"]
+    hyb = sides["hybridrl"]
+    cols = "".join(f" {k + ' s':>9s}" for k in sides) + "".join(f" {'hyb/' + k:>9s}" for k in bases)
+    lines = [f"{'stage':14s}{cols}   share of the {peak:.0f} GFLOP/s fp32 GEMM peak (" + ", ".join(sides)
+             + "); hybridrl's busy cores per process"]  # fmt: skip
+    tokens = {k: _mean(r["records"], "tokens") for k, r in sides.items() if k != "hybridrl"}
+    tokens["hybridrl"] = _mean(hyb["records"], "perf/tokens_per_s") * _mean(hyb["records"], "timing_s/step")
+    step_flops = {k: 0.0 for k in sides}
     for ours, theirs in STAGES:
-        a = _mean(hyb["records"], f"timing_s/{ours}")
-        b = _mean(hf["records"], theirs) if theirs else None
-        ratio = f"{a / b:11.2f}x" if a is not None and b else f"{'-':>12s}"
-        lines.append(f"{ours:14s} {b if b is not None else float('nan'):8.3f} {a or 0.0:11.3f} {ratio}")
-    tok_hf = _mean(hf["records"], "tokens") / _mean(hf["records"], "step")
-    tok_hyb = _mean(hyb["records"], "perf/tokens_per_s")
-    lines.append(f"{'tokens/s':14s} {tok_hf:8.1f} {tok_hyb:11.1f} {tok_hyb / tok_hf:11.2f}x  (speed-up)")
-    lines.append(
-        f"{'peak RSS GiB':14s} {hf['peak_gb']:8.2f} {hyb['peak_gb']:11.2f} {hyb['peak_gb'] / hf['peak_gb']:11.2f}x"
-    )
+        secs = {k: _mean(r["records"], f"timing_s/{ours}" if k == "hybridrl" else theirs) if (k == "hybridrl" or theirs)
+                else None for k, r in sides.items()}  # fmt: skip
+        row = "".join(f" {secs[k]:9.3f}" if secs[k] is not None else f" {'-':>9s}" for k in sides)
+        row += "".join(f" {secs['hybridrl'] / secs[k]:8.2f}x" if secs[k] and secs["hybridrl"] is not None
+                       else f" {'-':>9s}" for k in bases)  # fmt: skip
+        shares = []
+        for k in sides:
+            name = ours if k == "hybridrl" else theirs
+            t = secs[k]
+            if ours == "step":
+                flops = step_flops[k]
+            else:
+                flops = PASSES.get(name, 0) * forward_flops(model, tokens[k], PROMPTS * N) if t else 0.0
+                step_flops[k] += flops
+            shares.append(f"{100 * flops / 1e9 / t / peak:3.0f}%" if t and flops else "  -")
+        cores = _mean(hyb["records"], f"perf/cpu_cores/{ours}")
+        lines.append(f"{ours:14s}{row}   {' '.join(shares)}" + (f"  {cores:4.2f}" if cores is not None else ""))
+    tps = {k: tokens[k] / _mean(r["records"], "timing_s/step" if k == "hybridrl" else "step") for k, r in sides.items()}
+    lines.append(f"{'tokens/s':14s}" + "".join(f" {tps[k]:9.1f}" for k in sides)
+                 + "".join(f" {tps['hybridrl'] / tps[k]:8.2f}x" for k in bases) + "   (speed-up)")  # fmt: skip
+    lines.append(f"{'peak RSS GiB':14s}" + "".join(f" {r['peak_gb']:9.2f}" for r in sides.values())
+                 + "".join(f" {hyb['peak_gb'] / sides[k]['peak_gb']:8.2f}x" for k in bases))  # fmt: skip
+    if "trl" in sides:
+        lines.append(f"(TRL settings: {sides['trl']['settings']})")
     return lines
+
+
+def machine_peak(threads: int) -> float:
+    """This CPU's fp32 GEMM GFLOP/s on ``threads`` threads in this process, measured now."""
+    import torch
+    from tp_scaling import gemm_peak
+
+    torch.set_num_threads(threads)
+    return gemm_peak()
 
 
 def compare(args) -> None:
     base = args.keep or tempfile.mkdtemp(prefix="hybridrl_step_vs_hf_")
     cores = os.cpu_count() or 1
+    names = ["hf", "trl", "hybridrl"] if args.trl_site else ["hf", "hybridrl"]
     for model in ("tiny", "small") if args.model == "both" else (args.model,):
         work = os.path.join(base, model)
         paths = make_assets(work, model)
         nproc = args.nproc or NPROC[model]
         threads = max(1, cores // nproc)
         print(f"\n{model} Llama ({paths['params'] / 1e6:.2f}M params), {PROMPTS} prompts x {N}, responses <= "
-              f"{args.response_length} tokens; HF: 1 process x {cores} threads; hybridrl: {nproc} process(es) x "
-              f"{threads} thread(s); mean of steps 2..{args.steps}", flush=True)  # fmt: skip
+              f"{args.response_length} tokens; HF and TRL: 1 process x {cores} threads; hybridrl: {nproc} process(es) "
+              f"x {threads} thread(s); mean of steps 2..{args.steps}", flush=True)  # fmt: skip
         for rnd in range(args.rounds):
-            sides = ["hf", "hybridrl"] if rnd % 2 == 0 else ["hybridrl", "hf"]
+            order = names if rnd % 2 == 0 else names[::-1]
+            peak = machine_peak(cores)
             res = {}
-            for side in sides:
+            for side in order:
                 res[side] = (run_hf(paths, args, work, cores) if side == "hf"
+                             else run_trl(paths, args, work, cores) if side == "trl"
                              else run_hybridrl(paths, args, work, nproc, threads))  # fmt: skip
-            print(f"round {rnd + 1} ({' then '.join(sides)}):")
-            print("\n".join(table(res["hf"], res["hybridrl"])), flush=True)
+            print(f"round {rnd + 1} ({' then '.join(order)}; load {os.getloadavg()[0]:.2f}):")
+            print("\n".join(table({k: res[k] for k in names}, model, peak)), flush=True)
     if not args.keep:
         print(f"(work folders: {base})")
 
@@ -306,11 +373,19 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="write the work folders here")
     ap.add_argument("--profile", action="store_true", help="profile hybridrl's passes in-process instead")
     ap.add_argument("--hybridrl-override", action="append", default=[], help="extra key=value for hybridrl train")
+    ap.add_argument("--trl-site", default=None, help="a folder with TRL installed: also run TRL's GRPOTrainer")
+    ap.add_argument("--trl-checkpointing", action="store_true", help="TRL with its default gradient checkpointing")
     ap.add_argument("--hf-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.hf_worker:
         with open(args.hf_worker) as f:
             return hf_worker(json.load(f))
+    if args.trl_worker:
+        from trl_baseline import trl_worker
+
+        with open(args.trl_worker) as f:
+            return trl_worker(json.load(f), SCORER, PROMPTS, N, KL_COEF, LR)
     if args.profile:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from step_profile import profile

@@ -47,7 +47,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.utils import get_model_config
 
 from hybridrl.algos.aggregation import aggregate, check_mode
-from hybridrl.mcore import moe, prefix_share
+from hybridrl.mcore import moe, prefix_share, response_logits
 from hybridrl.mcore.gpt import run_schedule
 from hybridrl.mcore.heads import LogProbHead, TokenHead, ValuesHead, gather_response
 from hybridrl.mcore.loss_scaling import global_denominator, grad_reduce_mean_factor
@@ -239,11 +239,13 @@ class StepOutput:
     """The raw metrics of each local micro-batch (last pipeline stage only; empty elsewhere)."""
 
 
-def _run_schedule(chunks, micro_batches, loss_func, forward_only: bool) -> list[Any]:
+def _run_schedule(chunks, micro_batches, loss_func, forward_only: bool, selector=None) -> list[Any]:
     seq, mb = micro_batches[0]["model_input_ids"].shape[1], micro_batches[0]["model_input_ids"].shape[0]
 
     def step(data_iterator, model):
         batch = next(data_iterator)
+        if selector is not None:  # the output layer runs on this micro-batch's response positions only
+            selector.set(batch)
         output = model(batch["model_input_ids"], batch["model_position_ids"], batch["model_attention_mask"])
         return output, lambda output_tensor: loss_func(output_tensor, batch)
 
@@ -276,7 +278,19 @@ def _installed(chunks, shared):
 
 def _head_input(output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The model output as heads read it: packed outputs become ``(mb, r, ...)`` at the response positions."""
+    if micro_batch.get(response_logits.KEY):
+        return output
     return prefix_share.unpack(output, micro_batch) if "packed_index" in micro_batch else output
+
+
+@contextlib.contextmanager
+def _at_responses(chunks, head, micro_batches):
+    """:func:`hybridrl.mcore.response_logits.installed` for a pass, its micro-batches marked when it is active."""
+    with response_logits.installed(chunks, response_logits.usable(chunks, head)) as selector:
+        if selector is not None:
+            for micro_batch in micro_batches:
+                micro_batch[response_logits.KEY] = True
+        yield selector
 
 
 def forward_backward(
@@ -353,8 +367,12 @@ def forward_backward(
         contributions.append(loss.detach())
         return loss * scale, metrics
 
-    with torch.no_grad() if forward_only else torch.enable_grad(), _installed(chunks, shared):
-        mb_metrics = _run_schedule(chunks, micro_batches, loss_func, forward_only)
+    with (
+        torch.no_grad() if forward_only else torch.enable_grad(),
+        _installed(chunks, shared),
+        _at_responses(chunks, head, micro_batches) as selector,
+    ):
+        mb_metrics = _run_schedule(chunks, micro_batches, loss_func, forward_only, selector)
     loss, metrics = _reduce_step_metrics(contributions, mb_metrics if last_stage else [], dp_group)
     metrics.update(moe.aux_loss_metrics(get_model_config(chunks[0]), len(micro_batches)))  # MoE only
     return StepOutput(loss=loss, metrics=metrics, micro_batch_metrics=mb_metrics if last_stage else [])
@@ -434,8 +452,8 @@ def forward_outputs(
         outputs = head(_head_input(output, micro_batch), micro_batch)
         return output.new_zeros(()), {k: outputs[k].detach().float() for k in head.keys}
 
-    with torch.no_grad(), _installed(chunks, shared):
-        collected = _run_schedule(chunks, micro_batches, loss_func, forward_only=True)
+    with torch.no_grad(), _installed(chunks, shared), _at_responses(chunks, head, micro_batches) as selector:
+        collected = _run_schedule(chunks, micro_batches, loss_func, True, selector)
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
         stacked = torch.stack([torch.cat([c[k] for c in collected])[:b] for k in head.keys])
         if order is not None:  # back to the caller's row order

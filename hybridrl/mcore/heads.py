@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from megatron.core import parallel_state as mpu
 
-from hybridrl.mcore import vocab_parallel
+from hybridrl.mcore import response_logits, vocab_parallel
 from hybridrl.mcore.gpt import vocab_size_of
 
 
@@ -25,11 +25,21 @@ def gather_response(output: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     return output.gather(1, index)
 
 
+def _at_responses(output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``output`` at the response positions ``(mb, r, *rest)``: as is when the pass ran the output layer there only
+    (:mod:`hybridrl.mcore.response_logits`), else gathered from the full ``(mb, s, *rest)``."""
+    if micro_batch.get(response_logits.KEY):
+        return output
+    return gather_response(output, micro_batch["response_positions"])
+
+
 class TokenHead(Protocol):
     """Turns a model chunk's output on the last stage into per-response-token tensors ``(mb, r)``.
 
     A head that needs facts of the model (the vocabulary) may define ``bind(chunks) -> head``: the forward
-    functions call it before the first micro-batch.
+    functions call it before the first micro-batch. A head that reads the output at the response positions only
+    may set ``reads_responses_only = True``: the output layer then runs there only, and the head gets
+    ``(mb, r, ...)`` with ``micro_batch[response_logits.KEY]`` set (:mod:`hybridrl.mcore.response_logits`).
     """
 
     keys: tuple[str, ...]
@@ -48,6 +58,8 @@ class LogProbHead:
     vocab_size: int | None = None
     """The true vocabulary: logits past it are the model's padding rows and stay out of the softmax. None: the
     model's own, filled in by :meth:`bind` (which the forward functions call) from the chunks' builder."""
+
+    reads_responses_only = True  # not a field: the output layer may run on the response positions only
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -75,7 +87,7 @@ class LogProbHead:
                 "LogProbHead.vocab_size is None: call head.bind(chunks) (compute.forward_outputs / forward_backward "
                 "do) or pass the tokenizer's vocabulary, or the model's padding rows enter the softmax"
             )
-        logits = gather_response(output, micro_batch["response_positions"])
+        logits = _at_responses(output, micro_batch)
         group = mpu.get_tensor_model_parallel_group()
         logp, ent = vocab_parallel.log_probs_and_entropy(
             logits, micro_batch["responses"], group, self.temperature, self.vocab_size
@@ -93,10 +105,11 @@ class ValuesHead:
     """
 
     keys: tuple[str, ...] = ("values",)
+    reads_responses_only = True  # not a field: the output layer may run on the response positions only
 
     def __call__(self, output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if output.dim() == 3:
             if output.shape[-1] != 1:
                 raise ValueError(f"ValuesHead expects a (mb, s, 1) critic output, got {tuple(output.shape)}")
             output = output.squeeze(-1)
-        return {"values": gather_response(output, micro_batch["response_positions"]).float()}
+        return {"values": _at_responses(output, micro_batch).float()}

@@ -41,53 +41,99 @@ def _group_rank(group: ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
+CHUNK_ELEMENTS = 2**21
+"""Logit elements per chunk of rows (8 MiB in fp32): each chunk's passes run in cache, not in memory."""
+
+
+def _chunks(n_rows: int, n_valid: int) -> list[slice]:
+    step = max(1, CHUNK_ELEMENTS // max(n_valid, 1))
+    return [slice(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
+
+
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
-    """``(logits (..., V/tp), target (...)) -> (log p(target) (...), entropy (...))``, at least fp32."""
+    """``(logits (..., V/tp), target (...)) -> (log p(target) (...), entropy (...))``, at least fp32.
+
+    Rows are processed in chunks of :data:`CHUNK_ELEMENTS` logits, each through all of its elementwise passes
+    (shift, exp, the sums; in backward the softmax and the gradient) while it is in cache; nothing of the
+    logits' size is allocated but the gradient itself. Backward recomputes ``x - m`` from the saved logits rather
+    than keeping a shifted fp32 copy, and skips the entropy term when the loss does not use the entropy.
+    """
 
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, n_valid, temperature):
         world = _group_size(group)
         local_vocab = logits.shape[-1]
-        x = logits[..., :n_valid].to(torch.promote_types(logits.dtype, torch.float32))
-        if temperature != 1.0:  # in fp32: dividing 16-bit logits first would round them again
-            x = x / temperature
-        if n_valid > 0:
-            m = x.max(dim=-1).values
+        compute = torch.promote_types(logits.dtype, torch.float32)
+        flat = logits.reshape(-1, local_vocab)[:, :n_valid]
+        rows = flat.shape[0]
+        if n_valid > 0:  # max(l / T) = max(l) / T exactly (T > 0), in the compute dtype as x is
+            m = flat.max(dim=-1).values.to(compute)
+            if temperature != 1.0:
+                m = m / temperature
         else:  # every column of this rank is vocabulary padding
-            m = torch.full(logits.shape[:-1], float("-inf"), dtype=x.dtype, device=logits.device)
+            m = torch.full((rows,), float("-inf"), dtype=compute, device=logits.device)
         if world > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        x = x - m.unsqueeze(-1)
-        e = x.exp()
-        local_t = target - vocab_start
+        local_t = target.reshape(-1) - vocab_start
         owned = (local_t >= 0) & (local_t < n_valid)
         idx = local_t.clamp(0, max(n_valid - 1, 0))
+        stats = torch.zeros(3, rows, dtype=compute, device=logits.device)
         if n_valid > 0:
-            picked = x.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * owned
-        else:
-            picked = torch.zeros_like(m)
-        stats = torch.stack([e.sum(-1), (e * x).sum(-1), picked])
+            for c in _chunks(rows, n_valid):
+                x = _shifted(flat[c], m[c], temperature, compute)
+                stats[2, c] = x.gather(-1, idx[c].unsqueeze(-1)).squeeze(-1) * owned[c]
+                e = x.exp()
+                stats[0, c] = e.sum(-1)
+                stats[1, c] = e.mul_(x).sum(-1)
         if world > 1:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
         sum_e, sum_ex, x_target = stats.unbind(0)
         log_z = sum_e.log()
         mean_x = sum_ex / sum_e
-        ctx.save_for_backward(x, log_z, mean_x, idx, owned)
-        ctx.logits_dtype, ctx.local_vocab, ctx.temperature = logits.dtype, local_vocab, temperature
-        return x_target - log_z, log_z - mean_x
+        ctx.save_for_backward(logits, m, log_z, mean_x, idx, owned)
+        ctx.n_valid, ctx.temperature, ctx.compute = n_valid, temperature, compute
+        ctx.set_materialize_grads(False)
+        shape = logits.shape[:-1]
+        return (x_target - log_z).reshape(shape), (log_z - mean_x).reshape(shape)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        x, log_z, mean_x, idx, owned = ctx.saved_tensors
-        p = (x - log_z.unsqueeze(-1)).exp()
-        grad = -p * (grad_logp.unsqueeze(-1) + grad_entropy.unsqueeze(-1) * (x - mean_x.unsqueeze(-1)))
-        if x.shape[-1] > 0:
-            grad.scatter_add_(-1, idx.unsqueeze(-1), (grad_logp * owned).unsqueeze(-1))
-        if ctx.temperature != 1.0:
-            grad = grad / ctx.temperature
-        if x.shape[-1] < ctx.local_vocab:  # padded vocabulary columns get no gradient
-            grad = torch.nn.functional.pad(grad, (0, ctx.local_vocab - x.shape[-1]))
-        return grad.to(ctx.logits_dtype), None, None, None, None, None
+        logits, m, log_z, mean_x, idx, owned = ctx.saved_tensors
+        n_valid, temperature, compute = ctx.n_valid, ctx.temperature, ctx.compute
+        local_vocab = logits.shape[-1]
+        flat = logits.reshape(-1, local_vocab)
+        rows = flat.shape[0]
+        make = torch.zeros if n_valid < local_vocab else torch.empty  # padded columns get no gradient
+        grad = make(rows, local_vocab, dtype=logits.dtype, device=logits.device)
+        if grad_logp is None and grad_entropy is None:
+            return grad.reshape(logits.shape), None, None, None, None, None
+        g_lp = grad_logp.reshape(-1).to(compute) if grad_logp is not None else None
+        g_ent = grad_entropy.reshape(-1).to(compute) if grad_entropy is not None else None
+        for c in _chunks(rows, n_valid) if n_valid > 0 else []:
+            x = _shifted(flat[c, :n_valid], m[c], temperature, compute)
+            p = (x - log_z[c].unsqueeze(-1)).exp_()
+            # d log p(t) / dx_j = 1[j = t] - p_j;  dH / dx_j = -p_j ((x_j - m) - S / Z);  then / temperature
+            if g_ent is not None:
+                out = x.sub_(mean_x[c].unsqueeze(-1)).mul_(g_ent[c].unsqueeze(-1))
+                if g_lp is not None:
+                    out.add_(g_lp[c].unsqueeze(-1))
+                out.mul_(p).neg_()
+            else:
+                out = p.mul_(-g_lp[c].unsqueeze(-1))
+            if g_lp is not None:
+                out.scatter_add_(-1, idx[c].unsqueeze(-1), (g_lp[c] * owned[c]).unsqueeze(-1))
+            if temperature != 1.0:
+                out.div_(temperature)
+            grad[c, :n_valid] = out
+        return grad.reshape(logits.shape), None, None, None, None, None
+
+
+def _shifted(logits: torch.Tensor, m: torch.Tensor, temperature: float, compute: torch.dtype) -> torch.Tensor:
+    """``logits / temperature - m`` in ``compute`` (a new tensor: the caller may work on it in place)."""
+    x = logits.to(compute)
+    if temperature != 1.0:  # in fp32: dividing 16-bit logits first would round them again
+        return x.div(temperature).sub_(m.unsqueeze(-1))
+    return x.sub(m.unsqueeze(-1))
 
 
 def log_probs_and_entropy(

@@ -12,7 +12,7 @@ A checkpoint part: :meth:`Tracker.state_dict` is the step its history ends at; l
 rows logged after that checkpoint out of ``metrics.jsonl`` (:meth:`Tracker.resumed_at`).
 
 ``StageTimer`` collects seconds per named stage of a step (``with timer("rollout"): ...``) as
-``timing_s/<stage>`` metrics.
+``timing_s/<stage>`` metrics, and the cores the process kept busy in it as ``perf/cpu_cores/<stage>``.
 """
 
 from __future__ import annotations
@@ -48,21 +48,28 @@ CONSOLE_KEYS = (
 
 
 class StageTimer:
-    """Seconds per named stage; ``metrics()`` returns ``{'timing_s/<stage>': seconds}``."""
+    """Seconds per named stage, and the cores this process kept busy in it (its CPU time, every thread's, over the
+    stage's wall time: 2.0 on two cores is both busy, 1.0 one core or one waiting for the other half the time).
+
+    ``metrics()`` returns ``{'timing_s/<stage>': seconds, 'perf/cpu_cores/<stage>': cores}``.
+    """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+            self.cpu_seconds[stage] = self.cpu_seconds.get(stage, 0.0) + time.process_time() - cpu
 
     def metrics(self) -> dict[str, float]:
-        return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+        cores = {f"perf/cpu_cores/{k}": self.cpu_seconds[k] / v for k, v in self.seconds.items() if v > 0}
+        return {**{f"timing_s/{k}": v for k, v in self.seconds.items()}, **cores}
 
 
 def _free_name(path: str) -> str:

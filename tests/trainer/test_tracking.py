@@ -109,3 +109,19 @@ def test_resume_at_the_last_row_rewrites_nothing(tmp_path, capsys):
     assert _history(tmp_path) == [(1, 1.0), (2, 2.0), (3, 3.0)]
     assert (tmp_path / "metrics.jsonl").stat().st_ino == inode and not (tmp_path / "metrics.1.jsonl").exists()
     assert "note" not in capsys.readouterr().out
+
+
+def test_stage_timer_counts_busy_cores():
+    import time
+
+    timer = StageTimer()
+    with timer("spin"):  # busy on one core
+        end = time.perf_counter() + 0.2
+        while time.perf_counter() < end:
+            pass
+    with timer("sleep"):  # waiting: no core busy
+        time.sleep(0.2)
+    m = timer.metrics()
+    assert m["timing_s/spin"] >= 0.2 and m["timing_s/sleep"] >= 0.2
+    # one thread: at most one core (less on a loaded machine, which deschedules it); a sleep keeps none busy
+    assert m["perf/cpu_cores/sleep"] < 0.05 < m["perf/cpu_cores/spin"] <= 1.1

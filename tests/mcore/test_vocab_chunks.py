@@ -1,0 +1,57 @@
+"""The vocab log-prob / entropy head in chunks of rows (hybridrl.mcore.vocab_parallel) equals a full log-softmax.
+
+One process (no tensor parallelism; the TP2 case is tests/mcore/test_compute.py): logits of 13 rows x 50
+columns, a chunk of 4 rows (so four chunks, the last one short), at temperature 0.7, with a padded vocabulary (the
+last 6 columns out of the softmax) and without. Reference: ``torch.log_softmax`` in fp64 on the same logits.
+Log-probs, entropy and the gradient of a loss that uses both, only the log-probs (the entropy's gradient never
+arrives) or only the entropy, within 1e-6 relative to max(1, |value|); the chunked results equal the one-chunk
+results within 1e-7.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridrl.mcore import vocab_parallel
+
+ROWS, VOCAB, TEMPERATURE = 13, 50, 0.7
+
+
+def _reference(logits, target, vocab_size, w_lp, w_ent):
+    x = logits.double().detach().requires_grad_(True)
+    logp_all = torch.log_softmax(x[..., :vocab_size] / TEMPERATURE, dim=-1)
+    lp = logp_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    loss = sum(w * v for w, v in ((w_lp, lp), (w_ent, ent)) if w is not None).sum()
+    loss.backward()
+    return lp.detach(), ent.detach(), x.grad
+
+
+def _ours(logits, target, vocab_size, w_lp, w_ent, chunk: int, monkeypatch):
+    monkeypatch.setattr(vocab_parallel, "CHUNK_ELEMENTS", chunk)
+    x = logits.detach().clone().requires_grad_(True)
+    lp, ent = vocab_parallel.log_probs_and_entropy(x, target, None, TEMPERATURE, vocab_size)
+    loss = sum(w * v for w, v in ((w_lp, lp), (w_ent, ent)) if w is not None).sum()
+    loss.backward()
+    return lp.detach(), ent.detach(), x.grad
+
+
+@pytest.mark.parametrize("vocab_size", [None, VOCAB - 6])
+@pytest.mark.parametrize("uses", ["both", "log_probs", "entropy"])
+def test_chunked_head_equals_log_softmax(vocab_size, uses, monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    logits = 4 * torch.randn(ROWS, VOCAB, generator=g)
+    target = torch.randint(0, vocab_size or VOCAB, (ROWS,), generator=g)
+    w_lp = torch.randn(ROWS, generator=g) if uses in ("both", "log_probs") else None
+    w_ent = torch.randn(ROWS, generator=g) if uses in ("both", "entropy") else None
+    ref = _reference(logits, target, vocab_size or VOCAB, w_lp, w_ent)
+    chunked = _ours(logits, target, vocab_size, w_lp, w_ent, 4 * (vocab_size or VOCAB), monkeypatch)
+    whole = _ours(logits, target, vocab_size, w_lp, w_ent, 2**30, monkeypatch)
+    for ours, theirs, name in zip(chunked, ref, ("log_probs", "entropy", "grad"), strict=True):
+        scale = theirs.abs().clamp(min=1.0)  # fp32: 1e-6 relative is a few ulp at 20 nats
+        assert ((ours.double() - theirs).abs() / scale).max().item() < 1e-6, name
+    if vocab_size is not None:  # padding columns get exactly no gradient
+        assert not chunked[2][:, vocab_size:].any()
+    for a, b in zip(chunked, whole, strict=True):
+        assert (a - b).abs().max().item() < 1e-7
