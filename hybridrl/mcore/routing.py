@@ -88,6 +88,11 @@ class RouteReplay(RouterReplay):
         return scores.gather(1, used), used
 
 
+def keys_in(batch: Any) -> tuple[str, ...]:
+    """``(ROUTES_KEY,)`` where ``batch`` (a mapping of tensors) carries the rollout's routes, else ``()``."""
+    return (ROUTES_KEY,) if ROUTES_KEY in batch else ()
+
+
 def routers(module: torch.nn.Module) -> Iterator[Any]:
     """The Megatron ``TopKRouter`` of every MoE layer in ``module`` (a model chunk, maybe DDP-wrapped)."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -146,8 +151,11 @@ def route(model: torch.nn.Module, micro_batch: dict[str, torch.Tensor]) -> Itera
     if ROUTES_KEY not in micro_batch or not replays:
         yield
         return
-    if "packed_index" in micro_batch:
-        raise ValueError(f"{ROUTES_KEY} cannot follow packed rows; set actor.share_prompt_prefix=false")
+    if "packed_index" in micro_batch:  # prompt sharing packs rows: no per-row routes (the metric is off then)
+        if any(rep.replay for rep in replays):
+            raise ValueError("actor.moe.routing_replay cannot follow packed rows; set actor.share_prompt_prefix=false")
+        yield
+        return
     from megatron.core.utils import get_model_config
 
     config = get_model_config(model)

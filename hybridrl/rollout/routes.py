@@ -64,6 +64,7 @@ class RouteRecorder:
         self.layers = 0
         self._steps: dict[int, torch.Tensor] = {}
         self._requests: dict[str, dict[int, tuple[int, np.ndarray]]] = {}
+        self._active = False  # between start() and collect(): other callers of the engine (the agent loop) are not kept
         if self.native:
             return
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
@@ -91,7 +92,7 @@ class RouteRecorder:
 
     def _file_step(self, runner: Any, input_ids: torch.Tensor | None, positions: torch.Tensor | None) -> None:
         """Split this step's routes ``(tokens, layers, k)`` into its requests, by token position."""
-        if not self._steps or input_ids is None or positions is None:
+        if not self._active or not self._steps or input_ids is None or positions is None:
             return
         if len(self._steps) != self.layers:
             raise RuntimeError(f"a vLLM step routed {len(self._steps)} of {self.layers} MoE layers; cannot record it")
@@ -105,8 +106,9 @@ class RouteRecorder:
                 record[int(pos[row])] = (int(ids[row]), routes[row])
 
     def start(self) -> None:
-        """Forget earlier requests (call before each generate)."""
+        """Forget earlier requests and record the next generate's (:meth:`collect` ends the recording)."""
         self._requests.clear()
+        self._active = True
 
     def collect(self, outputs: Sequence[Any], batch: DataProto) -> torch.Tensor:
         """``rollout_routed_experts`` for ``batch`` (rows in ``outputs``' order: request, then sample index).
@@ -114,6 +116,7 @@ class RouteRecorder:
         Raises:
             RuntimeError: a row whose computed tokens match no recorded request (a capture bug, not bad input).
         """
+        self._active = False
         ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"].bool()
         rows = [ids[i][mask[i]].tolist() for i in range(len(ids))]
         if self.native:
@@ -121,6 +124,7 @@ class RouteRecorder:
             per_row = [np.asarray(s.routed_experts) for s in samples]
         else:
             per_row = self._match(rows)
+            self._requests.clear()
         layers, k = per_row[0].shape[1:] if per_row else (0, 0)
         result = torch.full((*ids.shape, layers, k), -1, dtype=torch.int16)
         for i, routes in enumerate(per_row):
