@@ -46,7 +46,9 @@ MISMATCH_METRIC = "moe/routing_mismatch"
 """Fraction of (response token, layer) pairs whose experts in the training forward differ from the rollout's."""
 ROUTER_MISMATCH_METRIC = "moe/routing_mismatch_router"
 """Same, for the experts the training router would pick by itself (differs from the first under replay)."""
-_COUNTS = torch.zeros(3, dtype=torch.float64)  # pairs, used != rollout, router != rollout (this rank, since clear)
+# (pairs, used != rollout, router != rollout) per layer and micro-batch since clear(), on the model's device: summed
+# once per step, not read back per layer
+_COUNTS: list[torch.Tensor] = []
 
 
 class RouteReplay(RouterReplay):
@@ -82,15 +84,26 @@ class RouteReplay(RouterReplay):
             recorded = torch.sort(target, -1).values
             policy = self.policy.to(own.device) & known.squeeze(-1)
             differs = [(torch.sort(x, -1).values != recorded).any(-1) & policy for x in (used, own)]
-            _COUNTS.add_(torch.stack([policy.sum(), *(d.sum() for d in differs)]).double().cpu())
+            _COUNTS.append(torch.stack([policy.sum(), *(d.sum() for d in differs)]))
         if not self.replay:
             return values, own
         return scores.gather(1, used), used
 
 
-def keys_in(batch: Any) -> tuple[str, ...]:
-    """``(ROUTES_KEY,)`` where ``batch`` (a mapping of tensors) carries the rollout's routes, else ``()``."""
-    return (ROUTES_KEY,) if ROUTES_KEY in batch else ()
+def keys_in(batch: Any, replay: bool = False) -> tuple[str, ...]:
+    """``(ROUTES_KEY,)`` where ``batch`` (a mapping of tensors) carries the rollout's routes, else ``()``.
+
+    Raises:
+        RuntimeError: ``replay`` and no routes: replay would silently not happen.
+    """
+    if ROUTES_KEY in batch:
+        return (ROUTES_KEY,)
+    if replay:
+        raise RuntimeError(
+            f"actor.moe.routing_replay is on, but the rollout batch has no {ROUTES_KEY}: the rollout engine recorded "
+            "no routes (an MoE model and single-turn vLLM generation record them)"
+        )
+    return ()
 
 
 def routers(module: torch.nn.Module) -> Iterator[Any]:
@@ -175,7 +188,7 @@ def route(model: torch.nn.Module, micro_batch: dict[str, torch.Tensor]) -> Itera
 
 def clear() -> None:
     """Forget the counts so far (call before the pass whose metric :func:`mismatch_metrics` reports)."""
-    _COUNTS.zero_()
+    _COUNTS.clear()
 
 
 def mismatch_metrics(config: Any) -> dict[str, float]:
@@ -186,7 +199,10 @@ def mismatch_metrics(config: Any) -> dict[str, float]:
 
     if getattr(config, "num_moe_experts", None) is None:
         return {}
-    counts = _COUNTS.clone()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None  # NCCL: CUDA
+    counts = torch.zeros(3, dtype=torch.float64, device=device)
+    for c in _COUNTS:
+        counts += c.to(counts.device, torch.float64)
     clear()
     groups = [mpu.get_pipeline_model_parallel_group(), mpu.get_data_parallel_group()]
     if config.sequence_parallel:

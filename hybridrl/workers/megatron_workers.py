@@ -290,7 +290,7 @@ class ActorRolloutWorker(_TrainedRole):
         """``old_log_probs`` and ``entropy`` ``(b, r)`` of the responses under the current policy."""
         out = compute.compute_log_probs(
             self.model.chunks,
-            _tensors(data, (*COMPUTE_KEYS, *routing.keys_in(data.batch))),
+            _tensors(data, (*COMPUTE_KEYS, *routing.keys_in(data.batch, self.actor_cfg.moe.routing_replay))),
             self.actor_cfg.ppo_micro_batch_size_per_gpu,
             temperature=self.rollout_cfg.temperature or 1.0,
             with_entropy=True,
@@ -318,7 +318,7 @@ class ActorRolloutWorker(_TrainedRole):
         head = compute.LogProbHead(
             temperature=self.rollout_cfg.temperature or 1.0, with_entropy=True, vocab_size=self.model.shape.vocab_size
         )
-        keys = (*COMPUTE_KEYS, *self.objective.inputs, *routing.keys_in(data.batch))
+        keys = (*COMPUTE_KEYS, *self.objective.inputs, *routing.keys_in(data.batch, a.moe.routing_replay))
 
         def step(mini: DataProto):
             # the optimizer's chunks: DDP-wrapped on the Megatron path (its grad sync, DP loss scaling)

@@ -155,3 +155,12 @@ def test_replayed_log_probs_equal_hf_forced_routes(run, layout, arch):
               f"no routes vs HF {plain:.1e}; forcing moves HF by {moved:.2f}")  # fmt: skip
         assert moved > 1e-2  # forcing the routes changes the log-probs: the comparison can fail
         assert forced <= LOGP_TOL and plain <= LOGP_TOL and routed_off <= LOGP_TOL
+
+
+def test_replay_without_recorded_routes_is_an_error():
+    from hybridrl.mcore import routing
+
+    assert routing.keys_in({ROUTES_KEY: torch.zeros(1)}, replay=True) == (ROUTES_KEY,)
+    assert routing.keys_in({}, replay=False) == ()
+    with pytest.raises(RuntimeError, match="actor.moe.routing_replay is on, but the rollout batch has no"):
+        routing.keys_in({}, replay=True)
