@@ -11,8 +11,9 @@ response's last token and padding marked unknown (-1) as the rollout engine mark
   layers);
 - replay on: ``moe/routing_mismatch`` is 0, ``moe/routing_mismatch_router`` equals the same count over the
   router choices of HF's forward with the routes forced (later layers see other inputs then), the router
-  weights get a gradient, and the log-probs equal HF's forward with the same routes forced into its routers
-  (fp32, <= 1e-5), and differ from the unforced log-probs (the test can fail).
+  weight's gradient of a policy-gradient loss equals HF's through that forced forward (no aux loss here), and
+  the log-probs equal HF's forward with the same routes forced into its routers (fp32, <= 1e-5), and differ from
+  the unforced log-probs (the test can fail).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tests.mcore.test_moe_parity import _hf, hf_log_probs, make_batch
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.multirank
-ARCHS = ("qwen3_moe", "mixtral")
+ARCHS = ("qwen3_moe", "qwen3_moe_nonorm", "mixtral")  # nonorm: gate weights from the full softmax
 ROUTES_KEY = "rollout_routed_experts"
 LOGP_TOL = 1e-5
 
@@ -81,9 +82,16 @@ def forced_log_probs(model, batch: dict, routes: torch.Tensor) -> tuple[torch.Te
             return logits, scores.to(logits.dtype), index
 
         gate.forward = forward
-    with torch.no_grad():
-        logp = hf_log_probs(model, batch)
+    logp = hf_log_probs(model, batch)
     return logp, torch.stack([picked[i].view(b, s, -1) for i in range(len(picked))], dim=2)
+
+
+def forced_router_grads(model, batch: dict, logp: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Per layer, the router weight's gradient of the token-mean ``-A_t log pi(y_t)`` through the forced forward."""
+    mask = batch["response_mask"].float()
+    ((-batch["advantages"] * logp * mask).sum() / mask.sum()).backward()
+    gates = [b.mlp.gate if hasattr(b.mlp, "gate") else b.block_sparse_moe.gate for b in model.model.layers]
+    return {layer: gate.weight.grad.clone() for layer, gate in enumerate(gates)}
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +101,8 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("routing")
     cases, refs = {}, {}
     for seed, arch in enumerate(ARCHS):
-        path = hf_tiny_moe.make_checkpoint(arch, str(root / arch), seed=seed)
+        # no aux loss: the router's gradient is the policy loss's alone, comparable with HF's forced forward
+        path = hf_tiny_moe.make_checkpoint(arch, str(root / arch), seed=seed, router_aux_loss_coef=0.0)
         batch = make_batch((9, 4, 7, 2), (6, 3, 8, 5), seed=10 + seed)
         rollout = _hf(path).eval()
         g = torch.Generator().manual_seed(seed)
@@ -107,7 +116,10 @@ def run(tmp_path_factory):
             plain = hf_log_probs(trained, batch)
         own = hf_routes(trained, batch)
         forced, picked = forced_log_probs(trained, batch, routes)  # patches trained's routers
+        grads = forced_router_grads(trained, batch, forced)
+        forced = forced.detach()
         refs[arch] = {
+            "router_grads": grads,
             "mismatch": independent_mismatch(own, routes, batch),
             "mismatch_replayed": independent_mismatch(picked, routes, batch),
             "plain": plain,
@@ -136,7 +148,22 @@ def test_metric_and_replay(run, layout, arch):
         assert off["moe/routing_mismatch_router"] == off["moe/routing_mismatch"]
         assert on["moe/routing_mismatch"] == 0.0
         assert abs(on["moe/routing_mismatch_router"] - ref["mismatch_replayed"]) < 1e-9
-        assert r[("router_grads", True)] and all(v > 0 for v in r[("router_grads", True)].values())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layout", ["dp2", "ep2", "pp2"])
+def test_replayed_router_gradient_equals_hf_forced_routes(run, layout, arch):
+    """Replay keeps the router differentiable: its weight's gradient (summed over the data-parallel ranks, each
+    holding its shard's part of the global token-mean) equals HF's through the forced forward."""
+    refs, results = run
+    for layer, want in refs[arch]["router_grads"].items():
+        name = f"decoder.layers.{layer}.mlp.router.weight"
+        parts = [torch.as_tensor(r[(layout, arch)][("router_grads", True)][name]) for r in results
+                 if name in r[(layout, arch)][("router_grads", True)]]  # fmt: skip
+        got = parts[0] if layout == "pp2" else sum(parts)  # PP: one rank holds the layer and the whole batch
+        rel = ((got - want).norm() / want.norm()).item()
+        print(f"{layout} {arch} layer {layer}: router grad vs HF forced {rel:.1e} (|grad| {want.norm():.3e})")
+        assert want.norm() > 0 and rel <= 1e-5, rel
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -162,5 +189,5 @@ def test_replay_without_recorded_routes_is_an_error():
 
     assert routing.keys_in({ROUTES_KEY: torch.zeros(1)}, replay=True) == (ROUTES_KEY,)
     assert routing.keys_in({}, replay=False) == ()
-    with pytest.raises(RuntimeError, match="actor.moe.routing_replay is on, but the rollout batch has no"):
+    with pytest.raises(RuntimeError, match=r"actor\.moe\.routing_replay is on, but the rollout batch has no"):
         routing.keys_in({}, replay=True)
