@@ -63,7 +63,7 @@ class RouteRecorder:
         self.native = native_capture()
         self.layers = 0
         self._steps: dict[int, torch.Tensor] = {}
-        self._requests: dict[str, dict[int, tuple[int, np.ndarray]]] = {}
+        self._requests: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}  # (positions, ids, routes)
         self._active = False  # between start() and collect(): other callers of the engine (the agent loop) are not kept
         if self.native:
             return
@@ -88,7 +88,7 @@ class RouteRecorder:
         runner._model_forward = recorded_forward
 
     def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
-        self._steps[layer] = topk_ids.detach().to("cpu", torch.int16)
+        self._steps[layer] = topk_ids.detach().to("cpu", torch.int16, copy=True)  # vLLM reuses its buffers
 
     def _file_step(self, runner: Any, input_ids: torch.Tensor | None, positions: torch.Tensor | None) -> None:
         """Split this step's routes ``(tokens, layers, k)`` into its requests, by token position."""
@@ -97,13 +97,13 @@ class RouteRecorder:
         if len(self._steps) != self.layers:
             raise RuntimeError(f"a vLLM step routed {len(self._steps)} of {self.layers} MoE layers; cannot record it")
         routes = torch.stack([self._steps[i] for i in sorted(self._steps)], dim=1).numpy()
-        ids, pos = input_ids.cpu().numpy(), positions.cpu().numpy()
+        # copies: on CPU these are views of the runner's persistent buffers, which the next step overwrites
+        ids, pos = input_ids.cpu().numpy().copy(), positions.cpu().numpy().copy()
         num_reqs = runner.input_batch.num_reqs
         starts = runner.query_start_loc.np[: num_reqs + 1]
         for i, req in enumerate(runner.input_batch.req_ids[:num_reqs]):
-            record = self._requests.setdefault(req, {})
-            for row in range(int(starts[i]), int(starts[i + 1])):
-                record[int(pos[row])] = (int(ids[row]), routes[row])
+            rows = slice(int(starts[i]), int(starts[i + 1]))
+            self._requests.setdefault(req, []).append((pos[rows], ids[rows], routes[rows]))
 
     def start(self) -> None:
         """Forget earlier requests and record the next generate's (:meth:`collect` ends the recording)."""
@@ -134,11 +134,14 @@ class RouteRecorder:
 
     def _match(self, rows: list[list[int]]) -> list[np.ndarray]:
         by_tokens: dict[tuple[int, ...], np.ndarray] = {}
-        for record in self._requests.values():
-            n = len(record)
-            if sorted(record) != list(range(n)):
-                raise RuntimeError(f"a vLLM request's routes cover positions {sorted(record)[:8]}..., not 0..{n - 1}")
-            by_tokens[tuple(record[p][0] for p in range(n))] = np.stack([record[p][1] for p in range(n)])
+        for chunks in self._requests.values():
+            pos, ids, routes = (np.concatenate(part) for part in zip(*chunks, strict=True))
+            # a recomputed position (preemption) is filed again: keep its last record
+            last = len(pos) - 1 - np.unique(pos[::-1], return_index=True)[1]
+            pos, ids, routes = pos[last], ids[last], routes[last]
+            if not np.array_equal(pos, np.arange(len(pos))):
+                raise RuntimeError(f"a vLLM request's routes cover positions {pos[:8].tolist()}..., not 0..n-1")
+            by_tokens[tuple(ids.tolist())] = routes
         found = []
         for i, tokens in enumerate(rows):
             routes = by_tokens.get(tuple(tokens[:-1]), by_tokens.get(tuple(tokens)))
