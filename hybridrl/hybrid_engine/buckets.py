@@ -166,7 +166,9 @@ class NeedMover:
         local = combined[: need.local_numel]
         if b.stage == self.stage:
             for name, offset, (start, stop) in zip(b.names, b.offsets, b.ranges, strict=True):
-                local[offset : offset + stop - start].copy_(self.params[name].reshape(-1)[start:stop])
+                param = self.params.get(name)
+                if param is not None:  # else another expert-parallel rank's expert: nobody reads this slot of ours
+                    local[offset : offset + stop - start].copy_(param.reshape(-1)[start:stop])
         if not need.collective[k]:
             return _Pending(combined, None)
         out_splits, in_splits = need.send_splits[k], need.recv_splits[k]

@@ -9,7 +9,9 @@ bucket writes every needed block straight to its destination: a preallocated fla
 buffer (views per vLLM tensor, ``hybridrl.ops.block_copy``), or, given ``into=`` (vLLM's own parameters),
 those tensors themselves (``hybridrl.ops.block_scatter``: no staging buffer at all). Tensors whose layouts
 agree are views of the training parameters (no copy, no buffer). Collective: every rank of the world calls
-:meth:`HybridEngine.to_rollout`.
+:meth:`HybridEngine.to_rollout`. vLLM's stacked expert tensors (``w13_weight`` / ``w2_weight``, MoE families) are
+planned per expert part; the engine hands them in and out whole (``into=`` and the result hold the stacked
+tensors; the parts are back to back in either).
 
     engine = HybridEngine.from_role(actor, layout, bucket_bytes=64 << 20)   # layout: the run's ParallelLayout
     weights = engine.to_rollout()          # {vLLM name: tensor} of this rank's rollout TP rank
@@ -34,7 +36,7 @@ from hybridrl.hybrid_engine import need_plan
 from hybridrl.hybrid_engine.buckets import BucketMover, NeedMover
 from hybridrl.hybrid_engine.planner import TRANSPORTS, ReshardPlan
 from hybridrl.hybrid_engine.probe import SwitchProbe
-from hybridrl.hybrid_engine.vllm_layout import PlanError
+from hybridrl.hybrid_engine.vllm_layout import PlanError, split_part
 from hybridrl.mcore.reshard_source import TrainingSource, training_source
 from hybridrl.ops import block_copy, block_scatter
 
@@ -90,6 +92,7 @@ class HybridEngine:
         overlap: double-buffer buckets (the collective of bucket k+1 while copying bucket k).
         transport: ``"need"`` (each rank receives only what it needs and does not hold) or ``"gather"`` (every
             TP shard to every rank; the older path, kept as a baseline).
+        expert_parallel: the engine runs vLLM's ``enable_expert_parallel`` (whole experts per rollout rank).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class HybridEngine:
         pad_vocab: bool | None = None,
         overlap: bool = True,
         transport: str = "need",
+        expert_parallel: bool = False,
     ) -> None:
         src = training_source(chunks, layout)
         if transport not in TRANSPORTS:
@@ -124,6 +128,7 @@ class HybridEngine:
             share=dtypes == {self.dtype},
             slots=2 if overlap else 1,
             transport=transport,
+            expert_parallel=expert_parallel,
         )
         self._check_params()
         self.rank_plan = self.plan.for_rank(src.pp_rank, src.tp_rank, layout.rollout_coords(self.rank).tp)
@@ -131,7 +136,7 @@ class HybridEngine:
         self.needed_numel = (
             self.need.needed_numel
             if self.need is not None
-            else need_plan.needed_numel(self.plan, src.pp_rank, src.tp_rank, self.rollout_rank)
+            else need_plan.needed_numel(self.plan, src.pp_rank, src.tp_rank, src.ep_rank, self.rollout_rank)
         )
         if self.need is not None:  # the same destinations, read from [local bucket | received blocks]
             self.rank_plan = dataclasses.replace(self.rank_plan, copies=self.need.copies)
@@ -140,6 +145,10 @@ class HybridEngine:
         self.buffer: torch.Tensor | None = None
         self._scatter: _ScatterPlan | None = None
         self._dests = {d.name: d for d in self.plan.dests[self.rollout_rank]}
+        self._parts: dict[str, list[str]] = {}  # stacked expert tensor -> its part names, in expert order
+        for name in self._dests:
+            if split_part(name):
+                self._parts.setdefault(split_part(name)[0], []).append(name)
         self.stats = SwitchStats()
         self._probe: SwitchProbe | None = None  # built on the first check()
 
@@ -155,7 +164,7 @@ class HybridEngine:
 
     def _check_params(self) -> None:
         for s in self.plan.sources.values():
-            if s.stage != self.src.pp_rank:
+            if s.stage != self.src.pp_rank or s.ep_rank not in (None, self.src.ep_rank):
                 continue
             param = self.src.params.get(s.name)
             if param is None:
@@ -185,7 +194,9 @@ class HybridEngine:
         start = time.perf_counter()
         rp, stats = self.rank_plan, SwitchStats(buckets=len(self.plan.buckets))
         params = self.src.params  # read now: offloading the model rebinds its parameters' data
-        scatter = None
+        scatter, stacked = None, into
+        if into:
+            into = self._expand(into)
         if into:
             scatter = self._scatter_plan(into)
             targets = [into[name] for name in scatter.targets]
@@ -228,7 +239,44 @@ class HybridEngine:
         stats.dest_bytes = self.buffer.numel() * es
         stats.seconds = time.perf_counter() - start
         self.stats = stats
+        return self._stack(out, stacked or {})
+
+    def _expand(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Stacked expert tensors -> their per-expert parts (views); other names unchanged."""
+        out = {}
+        for name, t in tensors.items():
+            parts = self._parts.get(name)
+            if parts is None:
+                out[name] = t
+            elif t.dim() == 3 and t.shape[0] == len(parts):
+                out.update((p, t[e]) for e, p in enumerate(parts))
+            else:
+                raise PlanError(
+                    f"to_rollout(into=...): {name} is {list(t.shape)}; rollout rank {self.rollout_rank} stacks "
+                    f"{len(parts)} experts of {list(self._dests[parts[0]].shape)}"
+                )
         return out
+
+    def _stack(self, out: dict[str, torch.Tensor], into: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-expert parts -> the stacked tensor (``into``'s own, or the flat buffer's back-to-back parts)."""
+        if not self._parts:
+            return out
+        stacked: dict[str, torch.Tensor] = {}
+        for name, t in out.items():
+            part = split_part(name)
+            if part is None:
+                stacked[name] = t
+            elif part[1] == 0:
+                base, parts = part[0], self._parts[part[0]]
+                if base in into:
+                    stacked[base] = into[base]
+                    continue
+                assert all(out[p].data_ptr() == t.data_ptr() + e * t.numel() * t.element_size()
+                           for e, p in enumerate(parts)), f"{base}: expert parts are not back to back"  # fmt: skip
+                flat = self.buffer.view(-1)
+                offset = (t.data_ptr() - flat.data_ptr()) // t.element_size()
+                stacked[base] = flat[offset : offset + len(parts) * t.numel()].view(len(parts), *t.shape)
+        return stacked
 
     def _mover(self, params: Mapping[str, torch.Tensor], stats: SwitchStats) -> NeedMover | BucketMover:
         def count(sent: int, received: int) -> None:
@@ -288,7 +336,7 @@ class HybridEngine:
         """
         if self._probe is None:
             self._probe = SwitchProbe(self.plan, self.rank, self.plan.pad_vocab, self.src.fused_norms, self.dtype)
-        return self._probe.run(tensors, self.src.params)
+        return self._probe.run(self._expand(tensors), self.src.params)
 
     def release(self) -> None:
         """Free the destination buffer (back to training); the next :meth:`to_rollout` reallocates it."""

@@ -19,6 +19,10 @@ Per bucket and rank, three int64 plans of rows ``(src_offset, dst_offset, length
   destination layout (:attr:`RankPlan.offsets <hybridrl.hybrid_engine.planner.RankPlan.offsets>`): the ONE
   kernel call per bucket, every destination element written once.
 
+Mixture-of-experts models: the group is the TP x PP x EP ranks (:func:`~hybridrl.hybrid_engine.planner.
+transport_groups`), a role is (stage, TP rank, EP rank); an expert's rows come from the EP rank holding that
+expert, dense rows from the receiver's own EP rank.
+
 ``collective[k]`` is the same on every rank of the world (computed over all roles): the bucket needs an
 all-to-all. Both sides derive the order of the blocks a peer sends from the same function
 (:func:`incoming`), so sender and receiver agree without exchanging metadata.
@@ -31,9 +35,16 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridrl.distributed.layout import ParallelLayout
-from hybridrl.hybrid_engine.planner import ReshardPlan, Segment, clip_blocks, coalesce, segment_blocks
+from hybridrl.hybrid_engine.planner import (
+    ReshardPlan,
+    Segment,
+    clip_blocks,
+    coalesce,
+    segment_blocks,
+    transport_groups,
+)
 
-Role = tuple[int, int]  # (pipeline stage, training TP rank): a rank's place in its model-parallel group
+Role = tuple[int, int, int]  # (pipeline stage, training TP rank, EP rank): a rank's place in its transport group
 
 
 @dataclass
@@ -59,15 +70,15 @@ class NeedPlan:
     collective: list[bool] = field(repr=False)
 
 
-def holder(plan: ReshardPlan, seg: Segment, stage: int, tp: int) -> Role | None:
-    """The (stage, TP rank) that sends ``seg``'s rows to a rank at (``stage``, ``tp``); None = it holds them."""
-    src = plan.sources[seg.src]
-    src_tp = tp if src.replicated else seg.tp
-    return None if (src.stage, src_tp) == (stage, tp) else (src.stage, src_tp)
+def holder(plan: ReshardPlan, seg: Segment, stage: int, tp: int, ep: int = 0) -> Role | None:
+    """The (stage, TP rank, EP rank) that sends ``seg``'s rows to a rank at (``stage``, ``tp``, ``ep``); None = it
+    holds them."""
+    h = plan.holder_of(seg, tp, ep)
+    return None if h == (stage, tp, ep) else h
 
 
-def incoming(plan: ReshardPlan, stage: int, tp: int, j: int, only: Role | None = None) -> dict:
-    """The blocks a rank at (``stage``, ``tp``, rollout rank ``j``) copies, keyed by (bucket, holder).
+def incoming(plan: ReshardPlan, stage: int, tp: int, ep: int, j: int, only: Role | None = None) -> dict:
+    """The blocks a rank at (``stage``, ``tp``, ``ep``, rollout rank ``j``) copies, keyed by (bucket, holder).
 
     Values are lists of ``(n, 3)`` blocks: source offsets in the holder's packed bucket, destination offsets in
     the planner's flat layout, in the order the receive region holds them. ``only``: just that holder's.
@@ -78,7 +89,7 @@ def incoming(plan: ReshardPlan, stage: int, tp: int, j: int, only: Role | None =
         if plan.is_shared(d, stage, tp):
             continue
         for seg in d.segments:
-            h = holder(plan, seg, stage, tp)
+            h = holder(plan, seg, stage, tp, ep)
             if only is not None and h != only:
                 continue
             src = plan.sources[seg.src]
@@ -91,14 +102,14 @@ def incoming(plan: ReshardPlan, stage: int, tp: int, j: int, only: Role | None =
     return out
 
 
-def needed_numel(plan: ReshardPlan, stage: int, tp: int, j: int) -> int:
+def needed_numel(plan: ReshardPlan, stage: int, tp: int, ep: int, j: int) -> int:
     """Elements a rank's copied rollout tensors take from shards it does not hold (what it must receive)."""
     total = 0
     for d in plan.dests[j]:
         if plan.is_shared(d, stage, tp):
             continue
         for seg in d.segments:
-            if holder(plan, seg, stage, tp) is not None:
+            if holder(plan, seg, stage, tp, ep) is not None:
                 src = plan.sources[seg.src]
                 total += seg.size * (_row(src.shape) if seg.dim == 0 else src.shape[0])
     return total
@@ -108,37 +119,38 @@ def collectives(plan: ReshardPlan) -> list[bool]:
     """Per bucket: some rank of the world receives from it (the same answer on every rank). Conservative: a
     shard any rank needs remotely marks every bucket that holds a chunk of it."""
     marked = [False] * len(plan.buckets)
-    for stage, tp, j in plan._roles():
+    for stage, tp, ep, j in plan._roles():
         for d in plan.dests[j]:
             if plan.is_shared(d, stage, tp):
                 continue
             for seg in d.segments:
-                if holder(plan, seg, stage, tp) is not None:
+                if holder(plan, seg, stage, tp, ep) is not None:
                     for k, *_ in plan.chunks[seg.src]:
                         marked[k] = True
     return marked
 
 
 def model_parallel_members(layout: ParallelLayout, rank: int) -> list[int]:
-    """Global ranks of ``rank``'s model-parallel (TP x PP) group, sorted (Megatron's group-rank order)."""
-    return layout.group_of("mp", rank)
+    """Global ranks of ``rank``'s transport group (TP x PP, x EP for experts), sorted (Megatron's group-rank
+    order)."""
+    return next(g for g in transport_groups(layout) if rank in g)
 
 
 def for_rank(plan: ReshardPlan, rank: int, members: list[int] | None = None, marked: list[bool] | None = None):
     """The :class:`NeedPlan` of global ``rank`` (``members``: its model-parallel group in group-rank order)."""
     lay = plan.layout
     members = list(members if members is not None else model_parallel_members(lay, rank))
-    roles = [(lay.coords(m).pp, lay.coords(m).tp) for m in members]
+    roles = [plan.role(m)[:3] for m in members]
     index = {role: i for i, role in enumerate(roles)}
-    assert len(index) == len(members), f"model-parallel group {members} repeats a (stage, tp) role"
+    assert len(index) == len(members), f"transport group {members} repeats a (stage, tp, ep) role"
     me = members.index(rank)
-    stage, tp = roles[me]
+    stage, tp, ep = roles[me]
     n_buckets = len(plan.buckets)
     local = max((b.numel for b in plan.buckets), default=0)
     recv_splits = [[0] * len(members) for _ in range(n_buckets)]
     copies: list[list[torch.Tensor]] = [[] for _ in range(n_buckets)]
     recv_at = [local] * n_buckets
-    mine = incoming(plan, stage, tp, lay.rollout_coords(rank).tp)
+    mine = incoming(plan, stage, tp, ep, lay.rollout_coords(rank).tp)
     for (k, h), blocks in sorted(mine.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else index[kv[0][1]])):
         b = torch.cat(blocks)
         if h is None:
@@ -155,7 +167,7 @@ def for_rank(plan: ReshardPlan, rank: int, members: list[int] | None = None, mar
     for i, peer in enumerate(members):
         if i == me:
             continue
-        theirs = incoming(plan, *roles[i], lay.rollout_coords(peer).tp, only=(stage, tp))
+        theirs = incoming(plan, *roles[i], lay.rollout_coords(peer).tp, only=(stage, tp, ep))
         for (k, _), blocks in sorted(theirs.items(), key=lambda kv: kv[0][0]):
             b = torch.cat(blocks)
             n = b[:, 2]
@@ -170,7 +182,7 @@ def for_rank(plan: ReshardPlan, rank: int, members: list[int] | None = None, mar
         local_numel=local,
         recv_numel=max((r - local for r in recv_at), default=0),
         send_numel=max(send_at, default=0),
-        needed_numel=needed_numel(plan, stage, tp, lay.rollout_coords(rank).tp),
+        needed_numel=needed_numel(plan, stage, tp, ep, lay.rollout_coords(rank).tp),
         send=[coalesce(torch.cat(s)) if s else empty for s in send],
         send_splits=send_splits,
         recv_splits=recv_splits,

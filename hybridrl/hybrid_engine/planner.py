@@ -26,6 +26,13 @@ every rank that holds that shard, and is moved only if some other rank needs it.
 
 Rank mapping: the layout's (:meth:`~hybridrl.distributed.layout.ParallelLayout.coords` for training,
 :meth:`~hybridrl.distributed.layout.ParallelLayout.rollout_coords` for generation).
+
+Experts (MoE families). A Megatron expert shard lives on one expert-parallel rank (:func:`expert_rank`; the
+EP ranks split the data-parallel ranks), so a rank's role is (stage, TP rank, EP rank) and the ranks that
+together hold one copy of the model are the TP x PP x EP group (:func:`transport_groups`; Megatron's
+expert-tensor-model-pipeline group). vLLM's stacked expert tensors are planned per expert part
+(:func:`~hybridrl.hybrid_engine.vllm_layout.part_name`) and never shared with training tensors: a stacked
+tensor is one storage. The gather transport moves TP shards only, so it needs ``ep == 1``.
 """
 
 from __future__ import annotations
@@ -37,8 +44,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridrl.distributed.layout import ParallelLayout
-from hybridrl.hybrid_engine.vllm_layout import PlanError, check_family, check_rollout_tp, rollout_maps
-from hybridrl.mcore import bridge_layout
+from hybridrl.hybrid_engine.vllm_layout import PlanError, check_family, check_rollout_tp, rollout_maps, split_part
+from hybridrl.mcore import bridge_layout, bridge_moe
 
 if TYPE_CHECKING:
     from hybridrl.mcore.gpt import GPTShape
@@ -59,6 +66,25 @@ def source_stage(name: str, num_layers: int, pp: int, vpp: int = 1) -> int:
     return 0 if name.startswith("embedding.") else pp - 1
 
 
+def expert_rank(layout: ParallelLayout, rank: int) -> int:
+    """Expert-parallel rank of global ``rank``: Megatron splits the ``cp * dp`` ranks of each (tp, pp) into
+    consecutive blocks of ``ep`` (order ``tp-cp-ep-dp-pp``)."""
+    c = layout.coords(rank)
+    return (c.cp + layout.cp * c.dp) % layout.ep
+
+
+def transport_groups(layout: ParallelLayout) -> list[list[int]]:
+    """The groups that each hold one whole copy of the model (experts included), sorted global ranks: the
+    model-parallel (TP x PP) groups, joined over the ``ep`` expert-parallel ranks when ``ep > 1``."""
+    if layout.ep == 1:
+        return layout.groups("mp")
+    groups: dict[int, list[int]] = {}
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
+        groups.setdefault((c.cp + layout.cp * c.dp) // layout.ep, []).append(rank)
+    return sorted(sorted(g) for g in groups.values())
+
+
 @dataclass(frozen=True)
 class Source:
     """One Megatron parameter as each TP rank holds it (every TP rank holds the same shape)."""
@@ -67,6 +93,8 @@ class Source:
     stage: int
     shape: tuple[int, ...]
     replicated: bool
+    ep_rank: int | None = None
+    """The expert-parallel rank holding this expert shard; None: every EP rank holds it (dense tensors)."""
 
     @property
     def numel(self) -> int:
@@ -115,7 +143,8 @@ class Bucket:
 
 @dataclass
 class RankPlan:
-    """What one rank (pipeline stage, training TP rank, rollout TP rank) does in a switch."""
+    """What one rank (pipeline stage, training TP rank, rollout TP rank) does in a switch (the same for every
+    expert-parallel rank: which EP peer holds an expert matters to the transports only)."""
 
     stage: int
     tp_rank: int
@@ -199,6 +228,7 @@ class ReshardPlan:
         shape: the model (``padded_vocab_size`` as the training model was built, for ``layout.tp``).
         layout: the run's layout: training (tp, pp, vpp, dp) and generation (``rollout_tp``, vLLM's TP size).
         family: HF ``model_type`` (see ``vllm_layout.FAMILIES``).
+        expert_parallel: vLLM's ``enable_expert_parallel`` (whole experts per rollout rank; MoE only).
         bucket_bytes: memory of the whole transport on a rank: ``slots`` gathered buffers, each ``layout.tp``
             local buckets; a local bucket thus holds ``bucket_bytes / (tp * slots)`` and must fit the
             largest shard that moves.
@@ -226,19 +256,26 @@ class ReshardPlan:
         share: bool = True,
         slots: int = 1,
         transport: str = "gather",
+        expert_parallel: bool = False,
     ) -> None:
         check_family(family)
         if transport not in TRANSPORTS:
             raise PlanError(f"transport ({transport!r}) must be one of {list(TRANSPORTS)}")
+        if transport == "gather" and shape.moe is not None and layout.ep > 1:
+            raise PlanError(
+                f"rollout.sync_transport (gather) moves TP shards only and cannot bring experts from the other "
+                f"expert-parallel ranks (actor.megatron.ep_size {layout.ep}); use rollout.sync_transport=need"
+            )
         self.transport = transport
         rollout_tp = layout.rollout_tp
         pad_vocab = rollout_tp > 1 if pad_vocab is None else pad_vocab
         check_rollout_tp(shape, rollout_tp, pad_vocab)
         _check_training(shape, layout)
         self.shape, self.layout, self.rollout_tp, self.pad_vocab = shape, layout, rollout_tp, pad_vocab
+        self.expert_parallel = expert_parallel
         self.bucket_bytes, self.element_size, self.share, self.slots = bucket_bytes, element_size, share, slots
         self.sources, homes = self._sources(fused_norms)
-        maps = rollout_maps(shape, rollout_tp, family, pad_vocab)
+        maps = rollout_maps(shape, rollout_tp, family, pad_vocab, expert_parallel)
         self.dests = [self._dests([(m, m.pieces(j)) for m in maps], homes) for j in range(rollout_tp)]
         self.needed = self._needed()
         self.buckets = self._buckets()
@@ -259,7 +296,9 @@ class ReshardPlan:
             full = hf[m.hf_names[0]]
             rows = sum(p.size for p in m.pieces(0))
             stage = source_stage(m.megatron, shape.num_layers, lay.pp, lay.vpp)
-            sources[m.megatron] = Source(m.megatron, stage, _shape_along(full, m.dim, rows), m.replicated)
+            expert = bridge_moe.expert_index(m.megatron) if m.expert else None
+            ep_rank = None if expert is None else expert // (shape.moe.num_experts // lay.ep)
+            sources[m.megatron] = Source(m.megatron, stage, _shape_along(full, m.dim, rows), m.replicated, ep_rank)
             for tp_rank in range(len(m.shards)):
                 pos = 0
                 for p in m.pieces(tp_rank):
@@ -282,7 +321,8 @@ class ReshardPlan:
                             segments.append(Segment(src, tp_rank, dim, spos + lo - start, pos + lo - p.start, hi - lo))
                 pos += p.size
             shape = _shape_along(hf[m.hf_names[0]], m.dim, pos)
-            out.append(Dest(m.megatron, shape, tuple(segments), self._shared(segments, shape)))
+            shared = None if split_part(m.megatron) else self._shared(segments, shape)  # a stacked tensor: one storage
+            out.append(Dest(m.megatron, shape, tuple(segments), shared))
         return out
 
     def _shared(self, segments: list[Segment], shape: tuple) -> tuple[str, int, int] | None:
@@ -310,14 +350,19 @@ class ReshardPlan:
         src = self.sources[dest.shared[0]]
         return src.stage == stage and (src.replicated or dest.shared[1] == tp_rank)
 
-    def _roles(self) -> set[tuple[int, int, int]]:
-        """Distinct (stage, training TP rank, rollout TP rank) over the world."""
+    def _roles(self) -> set[tuple[int, int, int, int]]:
+        """Distinct (stage, training TP rank, expert-parallel rank, rollout TP rank) over the world."""
         lay = self.layout
-        return {(lay.coords(r).pp, lay.coords(r).tp, lay.rollout_coords(r).tp) for r in range(lay.world_size)}
+        return {self.role(r) for r in range(lay.world_size)}
+
+    def role(self, rank: int) -> tuple[int, int, int, int]:
+        """(stage, training TP rank, expert-parallel rank, rollout TP rank) of global ``rank``."""
+        c = self.layout.coords(rank)
+        return c.pp, c.tp, expert_rank(self.layout, rank), self.layout.rollout_coords(rank).tp
 
     def _needed(self) -> set[str]:
         needed = set()
-        for stage, tp_rank, j in self._roles():
+        for stage, tp_rank, _, j in self._roles():
             for d in self.dests[j]:
                 if not self.is_shared(d, stage, tp_rank):
                     needed.update(s.src for s in d.segments)
@@ -328,13 +373,12 @@ class ReshardPlan:
         model-parallel groups: (0, 0) when every rank regroups locally (equal TP at PP 1, training TP 1 at PP 1).
         A rank receives from the holder at (the shard's stage, its TP rank), for replicated tensors at that stage
         with the receiver's own TP rank (see :mod:`~hybridrl.hybrid_engine.need_plan`)."""
-        lay, fan_in, fan_out = self.layout, 0, 0
-        seen: dict[tuple[int, int, int], set] = {}  # role -> holders it receives from
-        for group in lay.groups("mp"):
-            senders: dict[tuple[int, int], int] = {}
+        fan_in, fan_out = 0, 0
+        seen: dict[tuple[int, int, int, int], set] = {}  # role -> holders it receives from
+        for group in transport_groups(self.layout):
+            senders: dict[tuple[int, int, int], int] = {}
             for rank in group:
-                c = lay.coords(rank)
-                role = (c.pp, c.tp, lay.rollout_coords(rank).tp)
+                role = self.role(rank)
                 if role not in seen:
                     seen[role] = self._holders(*role)
                 holders = seen[role]
@@ -345,17 +389,22 @@ class ReshardPlan:
             fan_out = max(fan_out, *senders.values(), 0)
         return fan_in, fan_out
 
-    def _holders(self, stage: int, tp_rank: int, j: int) -> set[tuple[int, int]]:
+    def _holders(self, stage: int, tp_rank: int, ep_rank: int, j: int) -> set[tuple[int, int, int]]:
         out = set()
         for d in self.dests[j]:
             if self.is_shared(d, stage, tp_rank):
                 continue
             for seg in d.segments:
-                src = self.sources[seg.src]
-                holder = (src.stage, tp_rank if src.replicated else seg.tp)
-                if holder != (stage, tp_rank):
+                holder = self.holder_of(seg, tp_rank, ep_rank)
+                if holder != (stage, tp_rank, ep_rank):
                     out.add(holder)
         return out
+
+    def holder_of(self, seg: Segment, tp_rank: int, ep_rank: int) -> tuple[int, int, int]:
+        """The (stage, TP rank, EP rank) a rank at TP rank ``tp_rank`` / EP rank ``ep_rank`` reads ``seg`` from:
+        replicated tensors from its own TP rank, dense tensors from its own EP rank."""
+        src = self.sources[seg.src]
+        return (src.stage, tp_rank if src.replicated else seg.tp, ep_rank if src.ep_rank is None else src.ep_rank)
 
     def receives(self) -> bool:
         """Some rank's rollout tensors take rows from a shard it does not hold (another stage or TP rank)."""
@@ -424,8 +473,8 @@ class ReshardPlan:
 
     def for_global_rank(self, rank: int) -> RankPlan:
         """:meth:`for_rank` of global ``rank`` (its training and generation coordinates from the layout)."""
-        c = self.layout.coords(rank)
-        return self.for_rank(c.pp, c.tp, self.layout.rollout_coords(rank).tp)
+        stage, tp, _, j = self.role(rank)
+        return self.for_rank(stage, tp, j)
 
     def describe(self) -> str:
         """One line: layouts, tensors, buckets."""
@@ -447,8 +496,13 @@ def _check_training(shape: GPTShape, layout: ParallelLayout) -> None:
     tp, pp, vpp = layout.tp, layout.pp, layout.vpp
     if shape.num_query_groups % tp:
         raise PlanError(f"actor.megatron.tp_size ({tp}) must divide num_key_value_heads ({shape.num_query_groups})")
-    if shape.ffn_hidden_size % tp:
-        raise PlanError(f"actor.megatron.tp_size ({tp}) must divide ffn_hidden_size ({shape.ffn_hidden_size})")
+    width = shape.ffn_hidden_size if shape.moe is None else shape.moe.ffn_hidden_size
+    if width % tp:
+        raise PlanError(f"actor.megatron.tp_size ({tp}) must divide the MLP / expert width ({width})")
+    if shape.moe is not None and shape.moe.num_experts % layout.ep:
+        raise PlanError(
+            f"actor.megatron.ep_size ({layout.ep}) must divide the number of experts ({shape.moe.num_experts})"
+        )
     if shape.padded_vocab % tp:
         raise PlanError(
             f"padded_vocab_size ({shape.padded_vocab}) is not divisible by actor.megatron.tp_size ({tp}); "

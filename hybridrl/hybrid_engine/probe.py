@@ -12,6 +12,10 @@ The index math here is a second spelling of both layouts, written from their def
 ``[q heads, k, v]`` rows and per-rank ``[gate_r; up_r]``), and shares no code with
 :mod:`~hybridrl.hybrid_engine.vllm_layout` or :mod:`hybridrl.mcore.bridge_layout`, which the planner is built on:
 a check must not inherit the bug it looks for. Llama-style names only (every family of ``vllm_layout.FAMILIES``).
+Experts: each part ``{w13_weight|w2_weight}@e`` of vLLM's stacked tensors (``FusedMoE``: expert by expert
+``[gate_j; up_j]`` rows and down's columns of rank j, or with expert parallelism whole experts
+``j * E / tp + e``) is sampled like ``gate_up_proj`` / ``down_proj``, against Megatron's per-expert
+``linear_fc1`` ``[gate_r; up_r]`` / ``linear_fc2`` on the expert-parallel rank holding that expert.
 
 Cost per push: one gather of the sampled elements (about one per 128 rows), one ``all_reduce`` of the expected
 values (float64, the samples of all rollout ranks; each is filled by exactly one rank) and one of the first
@@ -38,9 +42,27 @@ class ProbeError(RuntimeError):
     """The rollout weights differ from the actor's after a push (the message names the tensor and the fix)."""
 
 
-def _hf(name: str, j: int, row: torch.Tensor, col: torch.Tensor, shape, tp: int, pad: bool) -> tuple:
+def _hf_expert(name: str, j: int, row: torch.Tensor, col: torch.Tensor, shape, tp: int, ep: bool) -> tuple | None:
+    """Like :func:`_hf` for a part of a stacked vLLM expert tensor; None for any other name."""
+    m = re.match(r"(model\.layers\.\d+\.\w+\.)experts\.routed_experts\.(w13|w2)_weight@(\d+)$", name)
+    if m is None:
+        return None
+    moe = shape.moe
+    f, (gate, up, down) = moe.ffn_hidden_size, moe.hf_expert_names
+    expert = j * (moe.num_experts // tp) + int(m.group(3)) if ep else int(m.group(3))
+    per, first = (f, 0) if ep else (f // tp, j * (f // tp))
+    prefix = f"{m.group(1)}experts.{expert}."
+    if m.group(2) == "w13":
+        return [f"{prefix}{gate if r < per else up}.weight" for r in row.tolist()], first + row % per, col
+    return [f"{prefix}{down}.weight"] * len(row), row, first + col
+
+
+def _hf(name: str, j: int, row: torch.Tensor, col: torch.Tensor, shape, tp: int, pad: bool, ep: bool = False) -> tuple:
     """vLLM rollout rank ``j``'s element (row, col) of ``name`` -> (HF name per element, HF row, HF col)."""
     hd, kv, f = shape.kv_channels, shape.num_query_groups, shape.ffn_hidden_size
+    expert = _hf_expert(name, j, row, col, shape, tp, ep) if shape.moe is not None else None
+    if expert is not None:
+        return expert
     m = re.match(r"(model\.layers\.\d+\.)(self_attn|mlp)\.(qkv_proj|gate_up_proj|o_proj|down_proj)\.(\w+)$", name)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         first = j * (vllm_padded_vocab(shape.vocab_size) // tp) if pad else 0
@@ -82,6 +104,11 @@ def _megatron(hf: str, row: int, col: int, shape, tp: int, fused: bool) -> tuple
         return "decoder.final_layernorm.weight", 0, row, col, True
     layer, rest = re.match(r"model\.layers\.(\d+)\.(.+)$", hf).groups()
     m = f"decoder.layers.{layer}."
+    if shape.moe is not None:
+        expert = _megatron_expert(m, rest, row, col, shape, tp, fused)
+        if expert is not None:
+            return expert
+        fused = fused and rest != "post_attention_layernorm.weight"  # the MoE block keeps its own pre-MLP norm
     norms = {
         "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight" if fused else "input_layernorm.weight",
         "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight" if fused else "pre_mlp_layernorm.weight",
@@ -106,12 +133,28 @@ def _megatron(hf: str, row: int, col: int, shape, tp: int, fused: bool) -> tuple
     return name, col // per, row, col % per, False
 
 
+def _megatron_expert(m: str, rest: str, row: int, col: int, shape, tp: int, grouped: bool) -> tuple | None:
+    """Like :func:`_megatron` for an HF router / expert element (``rest`` after the layer prefix); None else."""
+    moe = shape.moe
+    if rest == f"{moe.hf_prefix}.gate.weight":
+        return f"{m}mlp.router.weight", 0, row, col, True
+    x = re.match(rf"{moe.hf_prefix}\.experts\.(\d+)\.(\w+)\.weight$", rest)
+    if x is None:
+        return None
+    e, which = int(x.group(1)), moe.hf_expert_names.index(x.group(2))
+    per, fc = moe.ffn_hidden_size // tp, "linear_fc2" if which == 2 else "linear_fc1"
+    name = f"{m}mlp.experts.{fc}.weight{e}" if grouped else f"{m}mlp.experts.local_experts.{e}.{fc}.weight"
+    if which == 2:  # down: columns split over TP
+        return name, col // per, row, col % per, False
+    return name, row // per, row % per + (per if which == 1 else 0), col, False
+
+
 def _samples(name: str, shape_t: tuple[int, ...], shape) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, cols) sampled in a vLLM tensor: one per head-sized run of rows (of columns for o_proj / down_proj),
     plus the last row; vocab tensors at most ~64 rows."""
     hd = shape.kv_channels
     rows, cols = shape_t[0], (shape_t[1] if len(shape_t) > 1 else 1)
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith(("o_proj.weight", "down_proj.weight")) or "w2_weight@" in name:
         c = torch.arange(0, cols, hd, dtype=torch.int64)
         return (c * SALT + 7) % rows, c
     stride = max(hd, rows // 64) if name in VOCAB else hd
@@ -149,7 +192,8 @@ class SwitchProbe:
     def _sample(self, j: int, d, fill: dict, check: dict | None) -> None:
         plan, shape, layout = self._plan, self._plan.shape, self._plan.layout
         rows, cols = _samples(d.name, d.shape, shape)
-        hf_names, hf_rows, hf_cols = _hf(d.name, j, rows, cols, shape, plan.rollout_tp, self._pad)
+        ep = getattr(plan, "expert_parallel", False)
+        hf_names, hf_rows, hf_cols = _hf(d.name, j, rows, cols, shape, plan.rollout_tp, self._pad, ep)
         width = d.shape[1] if len(d.shape) > 1 else 1
         for r, c, hn, hr, hc in zip(rows.tolist(), cols.tolist(), hf_names, hf_rows.tolist(), hf_cols.tolist(),
                                     strict=True):  # fmt: skip
@@ -159,10 +203,11 @@ class SwitchProbe:
             if hn == "lm_head.weight" and shape.tie_embeddings:
                 mname = "embedding.word_embeddings.weight"
             stage = source_stage(mname, shape.num_layers, layout.pp, layout.vpp)
-            src_shape = plan.sources[mname].shape
+            src_shape, holder_ep = plan.sources[mname].shape, plan.sources[mname].ep_rank or 0
             i = len(self.where)
             self.where.append((j, d.name, r, c, mname, t, hn, hr, hc))
-            if layout.rank_of(tp=0 if replicated else t, pp=stage) == self._rank:
+            at = dict(tp=0 if replicated else t, cp=holder_ep % layout.cp, dp=holder_ep // layout.cp, pp=stage)
+            if layout.rank_of(**at) == self._rank:
                 f = fill.setdefault(mname, ([], []))
                 f[0].append(i)
                 f[1].append(lr * (src_shape[1] if len(src_shape) > 1 else 1) + lc)

@@ -88,3 +88,9 @@ def hf_moe_shapes(shape: GPTShape, layer: int) -> dict[str, tuple[int, ...]]:
         out[f"{hf}experts.{e}.{up}.weight"] = (moe.ffn_hidden_size, h)
         out[f"{hf}experts.{e}.{down}.weight"] = (h, moe.ffn_hidden_size)
     return out
+
+
+def expert_index(name: str) -> int | None:
+    """The expert index in an expert weight's name (global in global names); None for other names."""
+    m = _SEQUENTIAL.match(name) or _GROUPED.match(name)
+    return int(m.group(2)) if m else None

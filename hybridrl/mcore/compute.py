@@ -47,7 +47,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.utils import get_model_config
 
 from hybridrl.algos.aggregation import aggregate, check_mode
-from hybridrl.mcore import moe, prefix_share, response_logits
+from hybridrl.mcore import moe, prefix_share, response_logits, routing
 from hybridrl.mcore.gpt import run_schedule
 from hybridrl.mcore.heads import LogProbHead, TokenHead, ValuesHead, gather_response
 from hybridrl.mcore.loss_scaling import global_denominator, grad_reduce_mean_factor
@@ -246,7 +246,8 @@ def _run_schedule(chunks, micro_batches, loss_func, forward_only: bool, selector
         batch = next(data_iterator)
         if selector is not None:  # the output layer runs on this micro-batch's response positions only
             selector.set(batch)
-        output = model(batch["model_input_ids"], batch["model_position_ids"], batch["model_attention_mask"])
+        with routing.route(model, batch):  # MoE: the rollout's routes, replayed and/or compared (no-op without)
+            output = model(batch["model_input_ids"], batch["model_position_ids"], batch["model_attention_mask"])
         return output, lambda output_tensor: loss_func(output_tensor, batch)
 
     return run_schedule(chunks, micro_batches, step, forward_only, seq=seq, micro_batch_size=mb)
@@ -267,6 +268,8 @@ def _check_supported(chunks) -> None:
 
 def _shared_plan(chunks, prepared, micro_batch_size: int, rows: int, share_prefix: bool | None, trim: bool):
     if share_prefix is None and not trim:  # untrimmed passes (a debugging knob) stay row by row
+        return None
+    if share_prefix is None and routing.ROUTES_KEY in prepared:  # per-token routes follow rows, not packed rows
         return None
     return prefix_share.choose(chunks, prepared, micro_batch_size, rows, share_prefix, _one_width(chunks),
                                _width_multiple(chunks))  # fmt: skip
@@ -359,6 +362,7 @@ def forward_backward(
     denominator = global_denominator(mask, loss_agg_mode, dp_group, loss_scale_factor) if last_stage else None
     scale = len(micro_batches) * grad_reduce_mean_factor(chunks)
     contributions: list[torch.Tensor] = []
+    routing.clear()
 
     def loss_func(output, micro_batch):
         outputs = head(_head_input(output, micro_batch), micro_batch)
@@ -375,6 +379,7 @@ def forward_backward(
         mb_metrics = _run_schedule(chunks, micro_batches, loss_func, forward_only, selector)
     loss, metrics = _reduce_step_metrics(contributions, mb_metrics if last_stage else [], dp_group)
     metrics.update(moe.aux_loss_metrics(get_model_config(chunks[0]), len(micro_batches)))  # MoE only
+    metrics.update(routing.mismatch_metrics(get_model_config(chunks[0])))  # MoE with rollout routes only
     return StepOutput(loss=loss, metrics=metrics, micro_batch_metrics=mb_metrics if last_stage else [])
 
 

@@ -3,7 +3,9 @@
 ``hybridrl.hybrid_engine`` never imports Megatron; it gets this rank's shards (names with GLOBAL layer
 numbers, as :func:`hybridrl.mcore.bridge.global_parameters` gives them) and the tensor / pipeline process
 groups of the initialised parallel state through :func:`training_source`, which checks that state against the
-run's layout.
+run's layout. Under expert parallelism (``layout.ep > 1``) the transport group is Megatron's
+expert-tensor-model-pipeline group (TP x EP x PP: the ranks that together hold every expert once), and the
+expert-parallel rank is checked against the layout's (``planner.expert_rank``).
 """
 
 from __future__ import annotations
@@ -36,9 +38,12 @@ class TrainingSource:
     fused_norms: bool
     """TransformerEngine's spec: norm weights live in ``linear_qkv`` / ``linear_fc1``."""
     mp_group: Any = None
-    """The model-parallel (TP x PP) group: the ranks that together hold one copy of the model."""
+    """The ranks that together hold one copy of the model: the model-parallel (TP x PP) group, with experts
+    split over EP ranks the TP x EP x PP group."""
     mp_ranks: list[int] = field(default_factory=list)
     """Global rank of each member of ``mp_group``, in group-rank order."""
+    ep_rank: int = 0
+    """This rank's expert-parallel rank (0 without expert parallelism)."""
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
@@ -51,13 +56,15 @@ def training_source(chunks: list[torch.nn.Module], layout: ParallelLayout) -> Tr
     """This rank's parameters and groups on the current Megatron parallel state, which must be ``layout``'s."""
     params = dict(global_parameters(chunks))
     pp_group = mpu.get_pipeline_model_parallel_group()
-    mp_group = mpu.get_model_parallel_group()
+    experts = layout.ep > 1
+    mp_group = mpu.get_expert_tensor_model_pipeline_parallel_group() if experts else mpu.get_model_parallel_group()
     live = {
         "world_size": dist.get_world_size(),
         "tp": mpu.get_tensor_model_parallel_world_size(),
         "pp": mpu.get_pipeline_model_parallel_world_size(),
         "vpp": mpu.get_virtual_pipeline_model_parallel_world_size() or 1,
         "cp": mpu.get_context_parallel_world_size(),
+        "ep": mpu.get_expert_model_parallel_world_size(),
     }
     for axis, size in live.items():
         if getattr(layout, axis) != size:
@@ -66,6 +73,15 @@ def training_source(chunks: list[torch.nn.Module], layout: ParallelLayout) -> Tr
                 "layout init_model_parallel was given (the one the model was built on)",
                 axis=axis,
             )
+    from hybridrl.hybrid_engine.planner import expert_rank  # pure layout math (no process groups)
+
+    ep_rank = mpu.get_expert_model_parallel_rank() if experts else 0
+    if ep_rank != expert_rank(layout, dist.get_rank()):
+        raise LayoutError(
+            f"expert-parallel rank ({ep_rank}) of rank {dist.get_rank()} != the layout's "
+            f"({expert_rank(layout, dist.get_rank())}); build the parallel state with init_model_parallel(layout)",
+            axis="ep",
+        )
     return TrainingSource(
         parameters=params,
         layout=layout,
@@ -77,4 +93,5 @@ def training_source(chunks: list[torch.nn.Module], layout: ParallelLayout) -> Tr
         fused_norms=any(n.endswith("linear_qkv.layer_norm_weight") for n in params),
         mp_group=mp_group,
         mp_ranks=dist.get_process_group_ranks(mp_group),
+        ep_rank=ep_rank,
     )

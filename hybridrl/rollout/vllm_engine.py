@@ -25,6 +25,7 @@ import torch.distributed as dist
 from hybridrl.config.schema_roles import RolloutConfig
 from hybridrl.distributed.layout import ParallelLayout
 from hybridrl.protocol import DataProto
+from hybridrl.rollout import routes
 from hybridrl.rollout.base import KV_CACHE, WEIGHTS, RolloutEngine, pack_rollout, unpad_prompts
 from hybridrl.rollout.cpu_shm import remove_stale_segments
 
@@ -183,6 +184,8 @@ class VLLMRolloutEngine(RolloutEngine):
         enable_sleep_mode: let :meth:`sleep` free device memory; None = on with CUDA; always off on CPU.
         logprobs_mode: vLLM's ``logprobs_mode`` of the sampled-token log-probs (see docs/vllm.md).
         weight_push: "auto" (``reload_weights``), "reload", or "direct" (``model.load_weights``, GPU only).
+        record_routes: record the experts an MoE model routes each token to; :meth:`generate` then adds
+            ``rollout_routed_experts`` (:mod:`hybridrl.rollout.routes`).
         **engine_kwargs: passed to ``vllm.LLM`` (e.g. ``distributed_executor_backend``, ``max_num_seqs``).
     """
 
@@ -204,6 +207,7 @@ class VLLMRolloutEngine(RolloutEngine):
         enable_sleep_mode: bool | None = None,
         logprobs_mode: str = "processed_logprobs",
         weight_push: str = "auto",
+        record_routes: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         # The engine lives in the trainer's process (no engine-core subprocess): the hybrid engine writes
@@ -264,6 +268,8 @@ class VLLMRolloutEngine(RolloutEngine):
 
             seconds = max(1, round(collective_timeout_s()))
             kwargs.update(distributed_timeout_seconds=seconds, cpu_distributed_timeout_seconds=seconds)
+        if record_routes:
+            kwargs.update(routes.engine_kwargs())
         kwargs.update(engine_kwargs)
         t0 = time.perf_counter()
         try:
@@ -275,6 +281,7 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError(hint) from e
         self.start_s = time.perf_counter() - t0
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.routes = routes.RouteRecorder(self.llm, self._model()) if record_routes else None
 
     @classmethod
     def from_config(
@@ -392,6 +399,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 "raise rollout.max_model_len or shorten data.max_prompt_length"
             )
         params = [self._sampling_params(settings, i, n) for i in range(len(rows))]
+        if self.routes is not None:
+            self.routes.start()
         t0 = time.perf_counter()
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
@@ -403,6 +412,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 log_probs.append([lp[t].logprob for t, lp in zip(tokens, sample.logprobs, strict=True)])
                 reasons.append(str(sample.finish_reason))
         batch = pack_rollout(prompts, n, responses, log_probs, reasons, max_tokens, self.pad_token_id)
+        if self.routes is not None:  # MoE: the experts each token went to
+            batch.batch[routes.ROUTES_KEY] = self.routes.collect(outputs, batch)
         batch.meta_info["generate_s"] = elapsed
         return batch
 

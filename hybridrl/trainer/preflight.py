@@ -183,19 +183,21 @@ def _check_vocab(cfg: RunConfig, tokenizer: Any, vocab: int, path: str) -> None:
 
 
 def check_rollout_family(model_path: str) -> None:
-    """The policy is a family the train -> rollout weight switch maps into vLLM: a mixture-of-experts model trains
-    with the SFT/DPO recipes, but RL would build every model and then fail in the switch (its experts are not
-    mapped yet). A local folder only (a Hub name is checked once downloaded)."""
-    from hybridrl.config.checks_moe import MOE_MODEL_TYPES
+    """The policy is a family the train -> rollout weight switch maps into vLLM
+    (``hybridrl.hybrid_engine.vllm_layout.FAMILIES``: the dense families, Qwen3-MoE and Mixtral): any other
+    model would build every role and then fail in the first switch. A local folder only (a Hub name is checked
+    once downloaded)."""
+    from hybridrl.hybrid_engine.vllm_layout import FAMILIES
     from hybridrl.mcore import hf_config
 
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         return
     model_type = hf_config.load_hf_config(model_path).model_type
-    if model_type in MOE_MODEL_TYPES:
-        raise ConfigError(f"model.path ({model_path!r}) is a mixture-of-experts model ({model_type}): RL runs need the "
-                          "train -> rollout switch, which does not map experts yet (docs/moe.md); train it with "
-                          "hybridrl sft / dpo for now", key="model.path")  # fmt: skip
+    if model_type not in FAMILIES:
+        raise ConfigError(f"model.path ({model_path!r}) is a {model_type} model, which the train -> rollout switch "
+                          f"does not map into vLLM (RL families: {', '.join(sorted(FAMILIES))}); train it with "
+                          "hybridrl sft / dpo, or add its layout to hybridrl/hybrid_engine/vllm_layout.py",
+                          key="model.path")  # fmt: skip
 
 
 def check_inputs(cfg: RunConfig) -> list[str]:

@@ -28,11 +28,12 @@ from typing import Any
 import torch
 
 from hybridrl.algos.objectives import ActorLoss, CriticLoss
+from hybridrl.config.checks_routing import records_routes
 from hybridrl.config.schema import RewardModelConfig, RolloutCorrectionConfig
 from hybridrl.config.schema_roles import ActorConfig, CriticConfig, RefConfig, RolloutConfig
 from hybridrl.distributed.layout import ParallelLayout
 from hybridrl.mcore import checkpoint as mckpt
-from hybridrl.mcore import compute, lora, roles
+from hybridrl.mcore import compute, lora, roles, routing
 from hybridrl.mcore.optimizer import OptimConfig, build_optimizer, move_model_weights, move_optimizer_state
 from hybridrl.mcore.parallel_state import data_parallel_info, rollout_replica_info
 from hybridrl.protocol import DataProto
@@ -237,13 +238,18 @@ class ActorRolloutWorker(_TrainedRole):
         self.model = roles.build_actor(model_path, dtype=getattr(torch, dtype), **model_options(m, "actor.megatron"))
         if actor.lora.enable:  # before the optimizer: only the adapters train
             lora.apply_config(self.model, actor.lora)
+        record_routes = records_routes(actor, rollout, self.model.shape.moe is not None)
+        if record_routes:  # MoE: compare with (or replay) the experts vLLM chose (hybridrl.mcore.routing)
+            routing.install(self.model.chunks, replay=actor.moe.routing_replay)
         self.ref_micro_batch_size = ref_micro_batch_size or actor.ppo_micro_batch_size_per_gpu
         self.optimizer = build_optimizer(self.model.chunks, optim_config(actor.optim, optimizer_steps, m))
         self._setup_dp()
         self.rollout_dp_size, self.rollout_dp_rank, self.rollout_dp_group = rollout_replica_info(layout)
         # the tokenizer's and generation_config.json's EOS ids end responses too; an HF tokenizer's folder lets
         # vLLM match rollout.stop strings
-        self.rollout = VLLMRolloutEngine.from_config(rollout, layout, self.model.hf_config, tokenizer, model_path)
+        self.rollout = VLLMRolloutEngine.from_config(
+            rollout, layout, self.model.hf_config, tokenizer, model_path, record_routes=record_routes
+        )
         from hybridrl.rollout.agent.loop import AgentLoop
 
         self.agent = AgentLoop.from_config(rollout.agent, self.rollout, tokenizer, layout)  # None: single-turn
@@ -284,7 +290,7 @@ class ActorRolloutWorker(_TrainedRole):
         """``old_log_probs`` and ``entropy`` ``(b, r)`` of the responses under the current policy."""
         out = compute.compute_log_probs(
             self.model.chunks,
-            _tensors(data, COMPUTE_KEYS),
+            _tensors(data, (*COMPUTE_KEYS, *routing.keys_in(data.batch, self.actor_cfg.moe.routing_replay))),
             self.actor_cfg.ppo_micro_batch_size_per_gpu,
             temperature=self.rollout_cfg.temperature or 1.0,
             with_entropy=True,
@@ -312,7 +318,7 @@ class ActorRolloutWorker(_TrainedRole):
         head = compute.LogProbHead(
             temperature=self.rollout_cfg.temperature or 1.0, with_entropy=True, vocab_size=self.model.shape.vocab_size
         )
-        keys = (*COMPUTE_KEYS, *self.objective.inputs)
+        keys = (*COMPUTE_KEYS, *self.objective.inputs, *routing.keys_in(data.batch, a.moe.routing_replay))
 
         def step(mini: DataProto):
             # the optimizer's chunks: DDP-wrapped on the Megatron path (its grad sync, DP loss scaling)

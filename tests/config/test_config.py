@@ -298,6 +298,8 @@ CASES = [
      "yet; set actor.megatron.cp_size=1"),
     (P7, ["actor.megatron.ep_size=2"], "actor.megatron.ep_size (2) needs a mixture-of-experts model (model_type "
      "qwen3_moe, mixtral); set actor.megatron.ep_size=1 for a dense model"),
+    (P7, ["actor.moe.routing_replay=true"], "actor.moe.routing_replay (true) needs a mixture-of-experts model "
+     "(model_type qwen3_moe, mixtral), and this model is dense; set actor.moe.routing_replay=false"),
     (P7, ["actor.optim.backend=torch"], "actor.optim.backend ('torch') steps fp32 parameters only and model.dtype is "
      "'bfloat16'; set actor.optim.backend=megatron (16-bit weights, fp32 master copy) or model.dtype=float32"),
     (P7, ["trainer.nnodes=2", "trainer.n_gpus_per_node=4", "actor.megatron.tp_size=8", "rollout.tp_size=4"],

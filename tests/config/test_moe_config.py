@@ -26,6 +26,16 @@ def tiny(tmp_path_factory):
     return good, str(root / "bad")
 
 
+def own_model(path: str) -> list[str]:
+    """Overrides that point tiny_cpu_moe.yaml (the demo task's model) at a model folder, as its header says."""
+    import dataclasses
+
+    from hybridrl.config.schema import ArchitectureConfig
+
+    nulls = [f"model.architecture.{f.name}=null" for f in dataclasses.fields(ArchitectureConfig)]
+    return [f"model.path={path}", *nulls]
+
+
 def _error(name: str, overrides: list[str]) -> str:
     with pytest.raises(ConfigError) as info:
         load_config(name, overrides)
@@ -54,7 +64,7 @@ def test_memory_estimate_counts_experts_over_ep():
 
 
 def test_tiny_cpu_moe_validates_against_a_tiny_checkpoint(tiny):
-    cfg = load_config("tiny_cpu_moe.yaml", [f"model.path={tiny[0]}"])
+    cfg = load_config("tiny_cpu_moe.yaml", own_model(tiny[0]))
     layout = run_layout(cfg)
     assert (layout.dp, layout.ep, layout.tp) == (2, 2, 1)
     assert "ep peers: [0,1]" in layout_report(layout, ["actor"])
@@ -62,7 +72,7 @@ def test_tiny_cpu_moe_validates_against_a_tiny_checkpoint(tiny):
 
 def test_bad_expert_settings_are_one_line_errors(tiny):
     good, bad = tiny
-    base = ["tiny_cpu_moe.yaml", [f"model.path={good}"]]
+    base = ["tiny_cpu_moe.yaml", own_model(good)]
     six = [
         "trainer.n_gpus_per_node=6",
         "data.train_batch_size=6",
@@ -73,7 +83,7 @@ def test_bad_expert_settings_are_one_line_errors(tiny):
     assert msg.startswith("actor.megatron.ep_size (3) must divide the number of experts (4)"), msg
     msg = _error(base[0], [*base[1], "actor.megatron.ep_size=4"])
     assert "ep (4) must divide dp * cp (2)" in msg, msg
-    msg = _error(base[0], [f"model.path={bad}"])
+    msg = _error(base[0], own_model(bad))
     assert msg.startswith("num_experts_per_tok (6) of the model must be between 1 and its number of experts (4)"), msg
     msg = _error(QWEN3_30B, ["actor.megatron.sequence_parallel=false"])
     assert "actor.megatron.sequence_parallel (false) must be true for an MoE model" in msg, msg
@@ -81,17 +91,24 @@ def test_bad_expert_settings_are_one_line_errors(tiny):
     assert "needs a mixture-of-experts model" in msg, msg
 
 
-def test_what_moe_cannot_do_yet_is_refused_before_models(tiny):
-    """RL on an MoE policy (the switch does not map experts) and LoRA on one (expert adapters): one line each, at
-    the points the launchers reach before any model is built."""
+def test_what_moe_cannot_do_yet_is_refused_before_models(tiny, tmp_path):
+    """RL on an MoE policy the switch maps (Qwen3-MoE, Mixtral) passes the family check; a family it does not map
+    (Qwen2-MoE) and LoRA on an MoE model (expert adapters) are refused in one line each, at the points the
+    launchers reach before any model is built."""
+    import transformers
+
     from hybridrl.trainer.preflight import check_rollout_family
 
+    check_rollout_family(tiny[0])  # qwen3_moe: the switch maps its experts
+    transformers.Qwen2MoeConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4).save_pretrained(tmp_path)
     with pytest.raises(ConfigError) as info:
-        check_rollout_family(tiny[0])
-    assert str(info.value).startswith(f"model.path ({tiny[0]!r}) is a mixture-of-experts model (qwen3_moe)")
+        check_rollout_family(str(tmp_path))
+    assert str(info.value).startswith(f"model.path ({str(tmp_path)!r}) is a qwen2_moe model, which the train -> ")
     assert "hybridrl sft / dpo" in str(info.value) and "\n" not in str(info.value)
-    msg = _error("tiny_cpu_moe.yaml", [f"model.path={tiny[0]}", "actor.lora.enable=true"])
+    msg = _error("tiny_cpu_moe.yaml", [*own_model(tiny[0]), "actor.lora.enable=true"])
     assert msg.startswith("actor.lora.enable (true) cannot adapt a mixture-of-experts model yet"), msg
+    msg = _error("tiny_cpu_moe.yaml", [*own_model(tiny[0]), "rollout.weight_sync=hf"])
+    assert msg.startswith("rollout.weight_sync (hf) cannot push an MoE model's experts"), msg
 
 
 def test_recipes_refuse_settings_they_would_ignore():
