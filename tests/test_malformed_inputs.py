@@ -545,6 +545,8 @@ TRAIN_CASES = [  # (id, overrides: the own-model base plus these, expected line'
      "data error: {tmp}/empty_row.parquet: row 1: column 'prompt' is an empty string"),
     ("fewer-rows-than-a-batch", ["data.train_files=[{tmp}/four_rows.parquet]"],
      "config error: data.train_batch_size (8) is larger than the dataset (4 prompts); lower it or add data"),
+    ("expert-parallel-rollout-of-a-dense-model", ["rollout.expert_parallel=true"],
+     "config error: rollout.expert_parallel (true) places experts, but model.path ('{llama}') is a dense llama"),
     ("warmup-as-long-as-the-schedule", ["actor.optim.lr_decay_style=cosine", "actor.optim.lr_warmup_steps=100000"],
      "config error: actor.optim.lr_warmup_steps (100000) must be below the run's "),
     ("run-folder-is-a-file", ["trainer.default_local_dir={tmp}/a_file"],

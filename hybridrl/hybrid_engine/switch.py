@@ -106,7 +106,7 @@ class RolloutSwitch:
         Args:
             model / optimizer / rollout: as for :class:`RolloutSwitch`.
             cfg: the ``rollout`` section (``weight_sync``, ``sync_bucket_mb``, ``sync_overlap``,
-                ``sync_transport``, ``sync_probe``, ``free_cache_engine``).
+                ``sync_transport``, ``sync_probe``, ``free_cache_engine``, ``expert_parallel``).
             layout: the run's layout (its generation groups are the engine's).
             dtype: the generation dtype (``rollout.dtype``, else ``model.dtype``).
             param_offload / optimizer_offload: the actor's flags.
@@ -119,7 +119,7 @@ class RolloutSwitch:
         hybrid = HybridEngine.from_role(
             model, layout if shards else layout.with_rollout_tp(1), pad_vocab=shards,
             bucket_bytes=cfg.sync_bucket_mb << 20, overlap=cfg.sync_overlap, dtype=dtype,
-            transport=cfg.sync_transport,
+            transport=cfg.sync_transport, expert_parallel=cfg.expert_parallel,
         )  # fmt: skip
         return cls(
             hybrid, rollout, model, optimizer, weight_sync=cfg.weight_sync, free_cache_engine=cfg.free_cache_engine,

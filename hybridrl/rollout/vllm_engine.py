@@ -311,6 +311,8 @@ class VLLMRolloutEngine(RolloutEngine):
         if cfg.load_format != "dummy":
             raise ValueError(f"rollout.load_format ({cfg.load_format!r}) must be 'dummy': weights are pushed")
         engine_kwargs = {k: v for k in ("max_num_seqs", "max_num_batched_tokens") if (v := getattr(cfg, k)) is not None}
+        if cfg.expert_parallel:
+            engine_kwargs["enable_expert_parallel"] = True
         # no per-request seed: the engine seed makes a run reproducible, and each step still draws anew
         sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, n=cfg.n)
         sampling.update(max_tokens=cfg.response_length, **({"stop": list(cfg.stop)} if cfg.stop else {}))

@@ -28,6 +28,7 @@ from hybridrl.trainer.preflight import (
     check_environment,
     check_model_folders,
     check_resume,
+    check_rollout_device,
     check_rollout_family,
     load_run_tokenizer,
 )
@@ -227,7 +228,8 @@ def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
 
     model_path, tokenizer, train_files, val_files = _data(cfg)
     check_model_folders(cfg, model_path, tokenizer)  # config.json, safetensors headers, tokenizer vs vocab
-    check_rollout_family(model_path)  # a family the weight switch maps into vLLM
+    check_rollout_family(model_path, cfg.rollout.expert_parallel)  # a family the weight switch maps into vLLM
+    check_rollout_device(cfg)
     check_resume(cfg, model_path)  # the checkpoint to resume holds models of this shape
     train_ds = RLHFDataset(train_files, tokenizer, cfg.data)  # bad data: DataError, one line (file, row, fix)
     val_ds = RLHFDataset(val_files, tokenizer, cfg.data) if val_files else None

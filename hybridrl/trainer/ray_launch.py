@@ -77,7 +77,7 @@ class RayRun:
         training / validation datasets, as :func:`hybridrl.trainer.main.train` makes them on every rank."""
         from hybridrl.data import RLHFDataset
         from hybridrl.trainer.main import _data, resolve_rl_steps
-        from hybridrl.trainer.preflight import check_model_folders, check_resume
+        from hybridrl.trainer.preflight import check_model_folders, check_resume, check_rollout_family
 
         owns_world = driver_world()
         world = sum(cfg.resources.process_on_nodes or [cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes)
@@ -88,6 +88,7 @@ class RayRun:
         cfg.model.path, cfg.critic.model_path = _absolute(cfg.model.path), _absolute(cfg.critic.model_path)
         cfg.reward.model.path = _absolute(cfg.reward.model.path)
         check_model_folders(cfg, model_path, tokenizer)
+        check_rollout_family(model_path, cfg.rollout.expert_parallel)
         check_resume(cfg, model_path)
         train_ds = RLHFDataset(train_files, tokenizer, cfg.data)
         val_ds = RLHFDataset(val_files, tokenizer, cfg.data) if val_files else None

