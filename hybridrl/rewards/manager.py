@@ -93,7 +93,8 @@ def run_with_timeouts(
 ) -> list[tuple[str, Any]]:
     """Run ``calls`` with at most ``max_workers`` at once; each gets ``timeout_s`` seconds from its start.
 
-    A timed-out call's thread is abandoned, not stopped, and no longer counts against ``max_workers``.
+    ``max_workers`` threads take the calls in turn (a thread per call would cost more than a typical scorer). A
+    timed-out call's thread is abandoned, not stopped, and a new thread takes the remaining calls in its place.
 
     Returns:
         One ``(status, value)`` per call, in order: ``("ok", result)``, ``("error", exception)`` or
@@ -109,27 +110,50 @@ def run_with_timeouts(
                 outcomes[i] = (ERROR, err)
         return outcomes
     done: queue.SimpleQueue[tuple[int, str, Any]] = queue.SimpleQueue()
-    pending, running = deque(range(len(calls))), {}  # running: call index -> deadline
+    lock = threading.Lock()
+    pending, running, abandoned = deque(range(len(calls))), {}, set()  # running: call index -> deadline
 
-    def target(i: int) -> None:
-        try:
-            done.put((i, OK, _scorer_call(calls[i])))
-        except BaseException as err:  # a scorer calling sys.exit() must not take the trainer down
-            done.put((i, ERROR, err))
+    def worker() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                i = pending.popleft()
+                running[i] = time.monotonic() + timeout_s
+            try:
+                done.put((i, OK, _scorer_call(calls[i])))
+            except BaseException as err:  # a scorer calling sys.exit() must not take the trainer down
+                done.put((i, ERROR, err))
+            with lock:
+                if i in abandoned:  # replaced while this call ran past its time
+                    return
 
-    while pending or running:
-        while pending and len(running) < max(1, max_workers):
-            i = pending.popleft()
-            running[i] = time.monotonic() + timeout_s
-            threading.Thread(target=target, args=(i,), daemon=True, name=f"hybridrl-scorer-{i}").start()
+    def start() -> None:
+        threading.Thread(target=worker, daemon=True, name="hybridrl-scorer").start()
+
+    for _ in range(min(max(1, max_workers), len(calls))):
+        start()
+    left = len(calls)
+    while left:
+        with lock:
+            deadline = min(running.values(), default=time.monotonic() + timeout_s)
         try:
-            i, status, value = done.get(timeout=max(0.0, min(running.values()) - time.monotonic()))
-            if running.pop(i, None) is not None:  # else: a late result of a call already timed out
-                outcomes[i] = (status, value)
+            i, status, value = done.get(timeout=max(0.0, deadline - time.monotonic()))
+            with lock:
+                if i in abandoned:  # a late result of a call already timed out
+                    continue
+                del running[i]
+            outcomes[i], left = (status, value), left - 1
         except queue.Empty:
             now = time.monotonic()
-            for i in [i for i, deadline in running.items() if deadline <= now]:
-                del running[i]  # outcome stays TIMEOUT
+            with lock:
+                expired = [i for i, d in running.items() if d <= now]
+                for i in expired:  # outcome stays TIMEOUT
+                    del running[i]
+                    abandoned.add(i)
+            left -= len(expired)
+            for _ in expired:
+                start()
     return outcomes
 
 

@@ -158,6 +158,26 @@ def test_run_with_timeouts_order_and_inline():
     assert status == "error" and isinstance(err, ZeroDivisionError)
 
 
+def test_run_with_timeouts_reuses_its_threads_and_replaces_stuck_ones():
+    """A few threads take all the calls; two calls that hang are abandoned and the rest still run, on threads that
+    replace them (at most max_workers + timeouts threads for 20 calls)."""
+    import threading
+
+    threads = set()
+
+    def call(i):
+        threads.add(threading.current_thread())  # the objects, kept: an OS thread id can be reused
+        if i in (3, 4):
+            time.sleep(2.0)
+        return i
+
+    start = time.monotonic()
+    outcomes = run_with_timeouts([lambda i=i: call(i) for i in range(20)], timeout_s=0.3, max_workers=2)
+    assert time.monotonic() - start < 1.5
+    assert outcomes == [("timeout", None) if i in (3, 4) else ("ok", i) for i in range(20)]
+    assert len(threads) <= 4, len(threads)
+
+
 def test_last_token_rewards_with_left_and_right_gaps():
     mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [1, 0, 1, 0]])
     out = last_token_rewards(torch.tensor([1.0, 2.0, 3.0]), mask)
