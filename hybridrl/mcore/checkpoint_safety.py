@@ -11,10 +11,11 @@ code on every rank at resume. What hybridrl reads therefore never goes through a
   ``torch.distributed.checkpoint.FileSystemReader.read_metadata`` calls ``pickle.load`` on ``.metadata``, and
   ``DefaultLoadPlanner.load_bytes`` calls ``torch.load(weights_only=False)`` on every non-tensor item stored in
   the ``.distcp`` files (Megatron's ``ShardedObject``: the layers' ``_extra_state``). The check reads the
-  globals of ``.metadata`` from its opcodes (building nothing) against an allow-list of the metadata dataclasses
-  torch writes, loads every such item (and
-  ``common.pt``) weights-only, and accepts only the ``torch_dist`` / ``torch`` backends in ``metadata.json``.
-  Once it passes, the full unpickling that follows can only build the objects the check allowed.
+  globals of ``.metadata`` from its opcodes against an allow-list of the metadata dataclasses torch writes, reads
+  the index itself as plain records (:mod:`hybridrl.mcore.pickle_records`: hybridrl never unpickles it), loads
+  every such item (and ``common.pt``) weights-only, and accepts only the ``torch_dist`` / ``torch`` backends in
+  ``metadata.json``. Once it passes, the unpickling inside torch's reader can only build the objects the check
+  allowed.
 
 What this does not cover: a file swapped between the check and the load (an attacker already racing the job
 on its own file system), and the model's HF folder, which is read as safetensors and JSON only.
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from hybridrl.errors import InputError
+from hybridrl.mcore.pickle_records import Record, read_records
 
 DIST_BACKENDS = {"sharded_backend": "torch_dist", "common_backend": "torch"}
 _DCP = "torch.distributed.checkpoint"
@@ -158,9 +160,8 @@ def pickle_globals(data: bytes, path: str) -> set[tuple[str, str]]:
 
 
 def _read_metadata(folder: str) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import Metadata
-
+    """The folder's ``.metadata`` as plain records (:mod:`hybridrl.mcore.pickle_records`: nothing built or
+    imported), after its globals passed the allow-list."""
     path = os.path.join(folder, ".metadata")
     try:
         with open(path, "rb") as f:
@@ -174,13 +175,17 @@ def _read_metadata(folder: str) -> Any:
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if (module, name) not in _METADATA_GLOBALS and not dtype:
             raise _refusal(path, f"the global {module}.{name} (not a torch checkpoint-metadata class)")
-    try:  # only allow-listed classes can be built now: torch's own reader, as the load will run it
-        metadata = FileSystemReader(folder).read_metadata()
+    try:
+        metadata = read_records(data)
     except Exception as err:
         raise _corrupt(path, err) from None
-    if not isinstance(metadata, Metadata):
+    if not _is(metadata, "Metadata"):
         raise _corrupt(path, TypeError(f"it holds a {type(metadata).__name__}, not checkpoint metadata"))
     return metadata
+
+
+def _is(record: Any, name: str) -> bool:
+    return isinstance(record, Record) and record.cls == (f"{_DCP}.metadata", name)
 
 
 def check_dist_checkpoint(folder: str) -> None:
@@ -213,12 +218,10 @@ def check_torch_dcp(folder: str) -> None:
     Raises:
         UnsafeCheckpointError / CorruptCheckpointError: as :func:`check_dist_checkpoint`.
     """
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
     metadata = _read_metadata(folder)
     kinds = metadata.state_dict_metadata
     for index, info in metadata.storage_data.items():
-        if not isinstance(kinds.get(index.fqn), BytesStorageMetadata):
+        if not _is(kinds.get(index.fqn), "BytesStorageMetadata"):
             continue  # tensors: torch reads them weights-only itself
         path = os.path.join(folder, info.relative_path)
         if getattr(info, "transform_descriptors", None):

@@ -1,0 +1,141 @@
+"""A pickle read as plain data: the objects it describes become :class:`Record` values, nothing is imported or called.
+
+``torch.distributed.checkpoint`` stores a checkpoint's index (``.metadata``) as a pickle of its dataclasses.
+Unpickling it would import and call whatever the file names; :func:`read_records` instead interprets the opcode
+stream (:mod:`pickletools` parses it) on a stack of its own: a global becomes its ``(module, name)``, an object
+built from it (``NEWOBJ``, ``REDUCE``) a :class:`Record` holding that name, its arguments and the state
+``BUILD`` gives it. Containers, numbers, strings and bytes come out as themselves. Opcodes outside this data
+subset (persistent ids, extension registries, ``INST``/``OBJ``, protocol-0 text forms) are refused.
+"""
+
+from __future__ import annotations
+
+import pickletools
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False)
+class Record:
+    """One object of the pickle: the global it was built from, its constructor arguments and its state."""
+
+    cls: tuple[str, str]
+    """``(module, name)`` of the class or callable."""
+    args: tuple = ()
+    """The arguments ``NEWOBJ`` / ``REDUCE`` would have passed."""
+    state: dict[str, Any] = field(default_factory=dict)
+    """Attributes from ``BUILD`` (a ``__dict__``, slots merged in; any other state under :data:`SETSTATE`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        state = self.__dict__.get("state", {})
+        if name in state:
+            return state[name]
+        raise AttributeError(f"{self.cls[0]}.{self.cls[1]} record has no attribute {name!r}")
+
+
+SETSTATE = "__setstate__"
+"""The :attr:`Record.state` key of a state that is not a ``__dict__`` (the argument ``__setstate__`` would get)."""
+
+
+class _Mark:
+    pass
+
+
+_PUSH_ARG = {"BININT", "BININT1", "BININT2", "LONG1", "LONG4", "BINFLOAT", "SHORT_BINUNICODE", "BINUNICODE",
+             "BINUNICODE8", "SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "SHORT_BINSTRING", "BINSTRING"}  # fmt: skip
+_CONSTANTS = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}
+_SKIPPED = {"PROTO", "FRAME"}
+# globals that pickle containers: their records are the containers themselves
+_CONTAINERS = {("collections", "OrderedDict"): dict, ("builtins", "set"): set, ("builtins", "frozenset"): set}
+
+
+def read_records(data: bytes) -> Any:
+    """The value the pickle ``data`` describes, as plain data and :class:`Record` values.
+
+    Raises:
+        ValueError: an opcode outside the data subset, or a malformed stream.
+    """
+    stack: list[Any] = []
+    memo: dict[int, Any] = {}
+
+    def pop_mark() -> list[Any]:
+        i = max(j for j, v in enumerate(stack) if isinstance(v, _Mark))
+        items = stack[i + 1 :]
+        del stack[i:]
+        return items
+
+    for op, arg, _ in pickletools.genops(data):
+        name = op.name
+        if name in _SKIPPED:
+            continue
+        if name == "STOP":
+            return stack.pop()
+        if name in _PUSH_ARG:
+            stack.append(arg)
+        elif name in _CONSTANTS:
+            stack.append(_CONSTANTS[name])
+        elif name == "MARK":
+            stack.append(_Mark())
+        elif name in ("EMPTY_DICT", "EMPTY_LIST", "EMPTY_SET"):
+            stack.append({"EMPTY_DICT": dict, "EMPTY_LIST": list, "EMPTY_SET": set}[name]())
+        elif name == "EMPTY_TUPLE":
+            stack.append(())
+        elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+            n = int(name[-1])
+            items = tuple(stack[-n:])
+            del stack[-n:]
+            stack.append(items)
+        elif name == "TUPLE":
+            stack.append(tuple(pop_mark()))
+        elif name == "FROZENSET":
+            stack.append(frozenset(pop_mark()))
+        else:
+            _structural(name, arg, stack, memo, pop_mark)
+    raise ValueError("the pickle has no STOP opcode")
+
+
+def _structural(name: str, arg: Any, stack: list[Any], memo: dict[int, Any], pop_mark: Any) -> None:
+    """The opcodes that combine, name or remember values (:func:`read_records`)."""
+    if name == "SETITEM":
+        key, value = stack[-2:]
+        del stack[-2:]
+        stack[-1][key] = value
+    elif name == "SETITEMS":
+        items = pop_mark()
+        stack[-1].update(zip(items[::2], items[1::2], strict=True))
+    elif name == "APPEND":
+        stack[-2].append(stack.pop())
+    elif name == "APPENDS":
+        items = pop_mark()
+        stack[-1].extend(items)
+    elif name == "ADDITEMS":
+        items = pop_mark()
+        stack[-1].update(items)
+    elif name == "GLOBAL":
+        module, _, attr = str(arg).partition(" ")
+        stack.append((module, attr))
+    elif name == "STACK_GLOBAL":
+        module, attr = stack[-2:]
+        del stack[-2:]
+        stack.append((str(module), str(attr)))
+    elif name in ("NEWOBJ", "REDUCE"):
+        cls, args = stack[-2:]
+        del stack[-2:]
+        stack.append(_CONTAINERS[cls]() if cls in _CONTAINERS else Record(cls, tuple(args)))
+    elif name == "BUILD":
+        state = stack.pop()
+        if not isinstance(stack[-1], Record):
+            raise ValueError(f"BUILD of a {type(stack[-1]).__name__}")
+        if isinstance(state, tuple) and len(state) == 2 and all(isinstance(s, dict | None) for s in state):
+            state = {**(state[0] or {}), **(state[1] or {})}  # (__dict__, slots)
+        if not isinstance(state, dict):  # what the class's __setstate__ would take
+            state = {SETSTATE: state}
+        stack[-1].state.update(state)
+    elif name == "MEMOIZE":
+        memo[len(memo)] = stack[-1]
+    elif name in ("BINPUT", "LONG_BINPUT"):
+        memo[int(arg)] = stack[-1]
+    elif name in ("BINGET", "LONG_BINGET"):
+        stack.append(memo[int(arg)])
+    else:
+        raise ValueError(f"the pickle opcode {name} is outside the data subset this reader takes")
