@@ -321,6 +321,11 @@ def table(sides: dict[str, dict], model: str, peak: float) -> list[str]:
     tps = {k: tokens[k] / _mean(r["records"], "timing_s/step" if k == "hybridrl" else "step") for k, r in sides.items()}
     lines.append(f"{'tokens/s':14s}" + "".join(f" {tps[k]:9.1f}" for k in sides)
                  + "".join(f" {tps['hybridrl'] / tps[k]:8.2f}x" for k in bases) + "   (speed-up)")  # fmt: skip
+    # hybridrl's step FLOPs take at least flops / peak: the largest tokens/s ratio that running faster can reach.
+    floor = step_flops["hybridrl"] / 1e9 / peak
+    lines.append(f"{'ceiling':14s}" + " " * 10 * len(sides)
+                 + "".join(f" {tokens['hybridrl'] / floor / tps[k]:8.2f}x" for k in bases)
+                 + "   (hybridrl's step FLOPs at 100% of the peak, no other cost)")  # fmt: skip
     lines.append(f"{'peak RSS GiB':14s}" + "".join(f" {r['peak_gb']:9.2f}" for r in sides.values())
                  + "".join(f" {hyb['peak_gb'] / sides[k]['peak_gb']:8.2f}x" for k in bases))  # fmt: skip
     if "trl" in sides:
