@@ -23,6 +23,7 @@ from hybridrl.config.checks_launcher import check_launcher
 from hybridrl.config.checks_lora import check_lora
 from hybridrl.config.checks_model import check_against_checkpoint, check_architecture
 from hybridrl.config.checks_moe import check_moe
+from hybridrl.config.checks_overlap import check_overlap
 from hybridrl.config.checks_routing import check_routing
 from hybridrl.config.checks_values import check_finite
 from hybridrl.config.checks_variants import check_loop_features, check_loss_variants, fill_variants
@@ -501,6 +502,7 @@ CHECKS: tuple[Callable[[RunConfig, int], None], ...] = (
     check_moe,
     check_agent,
     check_routing,
+    check_overlap,
 )
 """Run in this order: single fields first, so later checks may rely on positive sizes."""
 

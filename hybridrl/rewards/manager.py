@@ -10,13 +10,10 @@ process). The sequence score goes on the last valid response token: token-level 
 ``(batch, response_len)``. A scorer the config names but that cannot be loaded, or that does not take
 ``(data_source, solution_str, ground_truth, extra_info)``, is a :class:`ScorerError` before training starts.
 
-Timeouts without signals: each call runs in its own daemon thread (at most ``max_workers`` at once) and
-the caller stops waiting for it after ``timeout_s`` seconds from its start. This works from any thread
-(signals only work in the main thread) and never blocks interpreter exit. Python cannot kill a thread: a
-timed-out scorer keeps running in the background until it returns, its result ignored; a scorer that
-never returns keeps a thread (and some CPU) for the life of the process, and a scorer stuck inside C code
-that holds the GIL (e.g. a pathological regex) delays everything until it returns. ``timeout_s=None`` runs
-scorers inline (errors still caught, no timeouts).
+The calls run on a few reused threads with a timeout each (:mod:`hybridrl.rewards.pool`: how timeouts work
+without signals, and what a call that never returns costs); ``timeout_s=None`` runs scorers inline (errors still
+caught, no timeouts). :mod:`hybridrl.rewards.stream` scores the same way while responses are still generated:
+each row settles with :func:`settle` and a batch's rows are summed up by :meth:`RewardManager.summarize`.
 """
 
 from __future__ import annotations
@@ -25,11 +22,6 @@ import inspect
 import logging
 import math
 import numbers
-import os
-import queue
-import threading
-import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -39,6 +31,16 @@ import torch
 
 from hybridrl.errors import InputError
 from hybridrl.protocol import DataProto
+from hybridrl.rewards.pool import (  # noqa: F401  (re-exported: the rest of hybridrl imports them from here)
+    ERROR,
+    OK,
+    TIMEOUT,
+    ScorerExited,
+    _guarded_exit,
+    _real_exit,
+    guard_exit,
+    run_with_timeouts,
+)
 from hybridrl.rewards.registry import (
     ScoreFn,
     compares_ground_truth,
@@ -50,111 +52,11 @@ from hybridrl.rewards.registry import (
 
 logger = logging.getLogger(__name__)
 
-OK, ERROR, TIMEOUT = "ok", "error", "timeout"
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class ScorerError(InputError, ValueError):
     """The configured scorer cannot be loaded or called; the message names reward.* and the fix."""
-
-
-class ScorerExited(BaseException):
-    """A scorer called ``os._exit`` during a call (a BaseException: a scorer's ``except Exception`` keeps it)."""
-
-
-_in_scorer = threading.local()
-_real_exit = os._exit
-
-
-def _guarded_exit(code: int) -> None:
-    """``os._exit`` while hybridrl runs scorers: in a scorer call it raises :class:`ScorerExited` (reward 0, the
-    warning names the scorer), anywhere else it exits as usual."""
-    if getattr(_in_scorer, "active", False):
-        raise ScorerExited(f"the scorer called os._exit({code}), which would have ended this rank")
-    _real_exit(code)
-
-
-def _guard_exit() -> None:
-    """Install :func:`_guarded_exit` (idempotent); before a custom scorer's file is imported, so that a
-    ``from os import _exit`` in it gets the guarded one too."""
-    os._exit = _guarded_exit
-
-
-def _scorer_call(call: Callable[[], Any]) -> Any:
-    _in_scorer.active = True
-    try:
-        return call()
-    finally:
-        _in_scorer.active = False
-
-
-def run_with_timeouts(
-    calls: Sequence[Callable[[], Any]], timeout_s: float | None, max_workers: int = 8
-) -> list[tuple[str, Any]]:
-    """Run ``calls`` with at most ``max_workers`` at once; each gets ``timeout_s`` seconds from its start.
-
-    ``max_workers`` threads take the calls in turn (a thread per call would cost more than a typical scorer). A
-    timed-out call's thread is abandoned, not stopped, and a new thread takes the remaining calls in its place.
-
-    Returns:
-        One ``(status, value)`` per call, in order: ``("ok", result)``, ``("error", exception)`` or
-        ``("timeout", None)``.
-    """
-    outcomes: list[tuple[str, Any]] = [(TIMEOUT, None)] * len(calls)
-    _guard_exit()
-    if timeout_s is None:
-        for i, call in enumerate(calls):
-            try:
-                outcomes[i] = (OK, _scorer_call(call))
-            except (Exception, SystemExit, ScorerExited) as err:
-                outcomes[i] = (ERROR, err)
-        return outcomes
-    done: queue.SimpleQueue[tuple[int, str, Any]] = queue.SimpleQueue()
-    lock = threading.Lock()
-    pending, running, abandoned = deque(range(len(calls))), {}, set()  # running: call index -> deadline
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if not pending:
-                    return
-                i = pending.popleft()
-                running[i] = time.monotonic() + timeout_s
-            try:
-                done.put((i, OK, _scorer_call(calls[i])))
-            except BaseException as err:  # a scorer calling sys.exit() must not take the trainer down
-                done.put((i, ERROR, err))
-            with lock:
-                if i in abandoned:  # replaced while this call ran past its time
-                    return
-
-    def start() -> None:
-        threading.Thread(target=worker, daemon=True, name="hybridrl-scorer").start()
-
-    for _ in range(min(max(1, max_workers), len(calls))):
-        start()
-    left = len(calls)
-    while left:
-        with lock:
-            deadline = min(running.values(), default=time.monotonic() + timeout_s)
-        try:
-            i, status, value = done.get(timeout=max(0.0, deadline - time.monotonic()))
-            with lock:
-                if i in abandoned:  # a late result of a call already timed out
-                    continue
-                del running[i]
-            outcomes[i], left = (status, value), left - 1
-        except queue.Empty:
-            now = time.monotonic()
-            with lock:
-                expired = [i for i, d in running.items() if d <= now]
-                for i in expired:  # outcome stays TIMEOUT
-                    del running[i]
-                    abandoned.add(i)
-            left -= len(expired)
-            for _ in expired:
-                start()
-    return outcomes
 
 
 def _as_score(value: Any) -> float:
@@ -245,7 +147,7 @@ class RewardManager:
                 f"reward.scorer ({cfg.scorer!r}) and reward.custom.path ({cfg.custom.path!r}) are both set; "
                 "set reward.scorer=auto to use the custom function, or unset custom.path"
             )
-        _guard_exit()  # before the custom file runs: its `from os import _exit` binds the guarded one
+        guard_exit()  # before the custom file runs: its `from os import _exit` binds the guarded one
         try:
             if cfg.scorer != "auto":
                 fn, name = fixed_scorer(cfg.scorer), f"reward.scorer {cfg.scorer!r}"
@@ -314,29 +216,33 @@ class RewardManager:
         n = len(data)
         if len(responses_text) != n:
             raise ValueError(f"score_batch: {len(responses_text)} responses for a batch of {n} rows; pass one per row")
-        nt = data.non_tensor_batch
-        for key in ("data_source", "ground_truth"):
-            if key not in nt:
-                raise KeyError(f"score_batch: the batch has no non-tensor {key!r}; batches from RLHFDataset have it")
-        extras = nt.get("extra_info", [None] * n)
-        calls = [
-            partial(self.score_fn, nt["data_source"][i], responses_text[i], nt["ground_truth"][i], extras[i])
-            for i in range(n)
-        ]
-        scores, failures = torch.zeros(n, dtype=torch.float32), []
-        for i, (status, value) in enumerate(run_with_timeouts(calls, self.timeout_s, self.max_workers)):
-            if status == OK:
-                try:
-                    scores[i] = _as_score(value)
-                    continue
-                except ValueError as err:
-                    status, value = ERROR, err
-            message = f"{type(value).__name__}: {value}" if status == ERROR else f"ran past {self.timeout_s}s"
-            failures.append((i, status, message))
+        nt = check_inputs(data.non_tensor_batch)
+        calls = [self.row_call(nt, i, responses_text[i]) for i in range(n)]
+        rows = [settle(o, self.timeout_s) for o in run_with_timeouts(calls, self.timeout_s, self.max_workers)]
+        return self.summarize(data, rows, response_mask)
+
+    def row_call(self, nt: Mapping[str, Any], row: int, text: str) -> Callable[[], Any]:
+        """The call that scores row ``row`` of the non-tensors ``nt`` (:func:`check_inputs`) with response ``text``."""
+        extra = nt["extra_info"][row] if "extra_info" in nt else None
+        return partial(self.score_fn, nt["data_source"][row], text, nt["ground_truth"][row], extra)
+
+    def summarize(
+        self, data: DataProto, rows: Sequence[tuple[float, str, str]], response_mask: torch.Tensor | None = None
+    ) -> RewardResult:
+        """The batch's result from each row's :func:`settle`: scores, metrics, one warning, running totals.
+
+        Args:
+            data: the batch the rows belong to (``data_source`` names a failure's row in the warning).
+            rows: ``(score, status, message)`` per row of ``data``.
+            response_mask: see :meth:`__call__`.
+        """
+        n, nt = len(data), data.non_tensor_batch
+        scores = torch.tensor([score for score, _, _ in rows], dtype=torch.float32)
+        failures = [(i, status, message) for i, (_, status, message) in enumerate(rows) if status != OK]
         errors = sum(s == ERROR for _, s, _ in failures)
         timeouts = len(failures) - errors
         if failures and _rank() == 0:  # every rank scores the same batch: one warning per job
-            row, status, message = failures[0]
+            row, _, message = failures[0]
             logger.warning(
                 "reward: %d errors, %d timeouts in %d samples (each scores 0); first: row %d (data_source %r, "
                 "scorer %s) %s", errors, timeouts, n, row, nt["data_source"][row], self.scorer_name, message,
@@ -352,6 +258,28 @@ class RewardManager:
         mask = _response_mask(data, response_mask)
         token_level = last_token_rewards(scores, mask) if mask is not None else None
         return RewardResult(scores, token_level, metrics, failures)
+
+
+def check_inputs(nt: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``nt`` (a batch's non-tensors) if it holds what a scorer is called with, else a KeyError naming the key."""
+    for key in ("data_source", "ground_truth"):
+        if key not in nt:
+            raise KeyError(f"score_batch: the batch has no non-tensor {key!r}; batches from RLHFDataset have it")
+    return nt
+
+
+def settle(outcome: tuple[str, Any], timeout_s: float | None) -> tuple[float, str, str]:
+    """One call's ``(status, value)`` (:func:`~hybridrl.rewards.pool.run_with_timeouts`) as ``(score, status,
+    message)``: the finite float32 score, or 0 with "error" (also a result that is not a finite number) or
+    "timeout" and a one-line message; the message is "" when the call succeeded."""
+    status, value = outcome
+    if status == OK:
+        try:
+            return _as_score(value), OK, ""
+        except ValueError as err:
+            status, value = ERROR, err
+    message = f"{type(value).__name__}: {value}" if status == ERROR else f"ran past {timeout_s}s"
+    return 0.0, status, message
 
 
 def _rank() -> int:

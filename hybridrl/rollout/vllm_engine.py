@@ -28,6 +28,7 @@ from hybridrl.protocol import DataProto
 from hybridrl.rollout import routes
 from hybridrl.rollout.base import KV_CACHE, WEIGHTS, RolloutEngine, pack_rollout, unpad_prompts
 from hybridrl.rollout.cpu_shm import remove_stale_segments
+from hybridrl.rollout.streaming import generate_streaming
 
 SAMPLING_KEYS = (
     "temperature",
@@ -370,9 +371,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ---- RolloutEngine -----------------------------------------------------------------------------------
 
-    def generate(self, prompts: DataProto, **sampling_overrides: Any) -> DataProto:
+    def generate(self, prompts: DataProto, on_step: Any = None, **sampling_overrides: Any) -> DataProto:
         """Sample ``n`` responses per prompt; see :meth:`RolloutEngine.generate` and
-        :func:`hybridrl.rollout.base.pack_rollout` (response width = ``max_tokens``).
+        :func:`hybridrl.rollout.base.pack_rollout` (response width = ``max_tokens``). ``on_step``: called after
+        every engine step with the responses it finished (:func:`hybridrl.rollout.streaming.generate_streaming`).
 
         Raises:
             ValueError: an unknown sampling key, stop strings without a tokenizer, a prompt longer than
@@ -404,7 +406,10 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.routes is not None:
             self.routes.start()
         t0 = time.perf_counter()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        if on_step is None:
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        else:  # the same requests, steps and outputs; finished responses handed over as they come
+            outputs = generate_streaming(self.llm, [TokensPrompt(prompt_token_ids=r) for r in rows], params, on_step)
         elapsed = time.perf_counter() - t0
         responses, log_probs, reasons = [], [], []
         for out in outputs:

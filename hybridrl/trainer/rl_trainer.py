@@ -35,6 +35,7 @@ from hybridrl.distributed.layout import ParallelLayout
 from hybridrl.errors import InputError
 from hybridrl.protocol import DataProto
 from hybridrl.rewards import last_token_rewards
+from hybridrl.rewards.stream import RewardStream
 from hybridrl.rollout.agent.metrics import agent_metrics
 from hybridrl.trainer.checkpoint import CheckpointManager
 from hybridrl.trainer.tracking import StageTimer, Tracker
@@ -135,6 +136,8 @@ class RLTrainer:
         self.bad_steps = 0
         self._batches: Any = None  # the loader's iterator (fit and dynamic sampling's refills draw from it)
         self.rank = rank
+        self.reward_stream = RewardStream.from_config(cfg, reward_manager, tokenizer)  # None: score after generating
+        self._stream: Any = None  # the last rollout's StreamSession, until _score takes it
         # checkpoint parts in load order: the loader first (it refuses another data order before anything
         # loads), the tracker last (it rewrites metrics.jsonl); the frozen reference is rebuilt from model_path
         roles = {name: group for name, group in (("actor", self.actor), ("critic", self.critic)) if group is not None}
@@ -158,6 +161,8 @@ class RLTrainer:
         n = sampling.get("n", self.cfg.rollout.n)
         sampling.setdefault("seed", self.cfg.rollout.seed + self.step * len(prompts) * n)
         switch = self.actor.switch_to_rollout()  # the hybrid engine: training -> generation layout
+        if self.reward_stream is not None:  # score each response as it finishes (reward.overlap_generation)
+            self._stream = sampling["reward_stream"] = self.reward_stream.session(prompts)
         gen = self.actor.generate_sequences(prompts, **sampling)
         switch.update(self.actor.switch_to_training())  # ... and back (vLLM's KV cache freed)
         return gen, switch
@@ -170,7 +175,12 @@ class RLTrainer:
         scores, metrics = torch.zeros(mask.shape, dtype=torch.float32), {}
         if "agent_reward" in batch.batch:
             scores = scores + last_token_rewards(batch.batch["agent_reward"], mask)
-        if self.reward is not None:
+        stream, self._stream = self._stream, None
+        if stream is not None:  # scored while generating: the tail's wait and the gather of every replica's scores
+            result = stream.result(self.actor, batch, mask)
+            scores = scores + result.token_level_scores
+            metrics.update({k: float(v) for k, v in result.metrics.items()})
+        elif self.reward is not None:
             written = batch.batch["attention_mask"][:, -responses.shape[1] :]
             texts = [self.tokenizer.decode(r[m.bool()].tolist()) for r, m in zip(responses, written, strict=True)]
             result = self.reward(batch, texts, mask)

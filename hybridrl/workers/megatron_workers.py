@@ -269,15 +269,26 @@ class ActorRolloutWorker(_TrainedRole):
             return self.switch.to_rollout(self.version)
 
     @register(Dispatch.DP_COMPUTE, mesh="rollout")
-    def generate_sequences(self, prompts: DataProto, **sampling: Any) -> DataProto:
+    def generate_sequences(self, prompts: DataProto, reward_stream: Any = None, **sampling: Any) -> DataProto:
         """Responses for this replica's prompts: ``n`` samples per prompt, adjacent (interleaved); call between
         :meth:`switch_to_rollout` and :meth:`switch_to_training`. A ``seed`` in ``sampling`` is the whole batch's:
         this replica offsets it past the earlier replicas' prompts. With ``rollout.agent`` each response is a multi-turn
-        trajectory (:class:`~hybridrl.rollout.agent.loop.AgentLoop`)."""
+        trajectory (:class:`~hybridrl.rollout.agent.loop.AgentLoop`). ``reward_stream``: a
+        :class:`~hybridrl.rewards.stream.StreamSession` that scores the responses as they finish."""
         if sampling.get("seed") is not None:
             n = sampling.get("n", self.rollout_cfg.n)
             sampling = {**sampling, "seed": sampling["seed"] + self.rollout_dp_rank * len(prompts) * n}
+        if reward_stream is not None:
+            assert self.agent is None, "reward.overlap_generation is for single-turn rollouts (checks_overlap)"
+            on_step = reward_stream.open(prompts, int(sampling.get("n", self.rollout_cfg.n)))
+            return self.rollout.generate(prompts, on_step=on_step, **sampling)
         return (self.agent or self.rollout).generate(prompts, **sampling)
+
+    @register(Dispatch.DP_COMPUTE, mesh="rollout")
+    def streamed_rewards(self, prompts: DataProto, reward_stream: Any) -> DataProto:
+        """The scores ``reward_stream`` computed while this replica generated ``prompts`` (the batch given to
+        :meth:`generate_sequences`, split as it was), in its rows' order; waits for the last ones."""
+        return reward_stream.collect()
 
     @register(Dispatch.ONE_TO_ALL)
     def switch_to_training(self) -> dict[str, float]:

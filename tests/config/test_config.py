@@ -453,6 +453,8 @@ CASES = [
      "checkpoints yet; set trainer.save_freq=-1 or launch SPMD (trainer.launcher=spmd, under torchrun)"),
     (TINY, ["rollout.agent.max_turns=0"], "rollout.agent.max_turns (0) must be >= 1; set it to 1 for single-turn "
      "trajectories"),
+    (TINY, ["trainer.launcher=ray", "reward.overlap_generation=true"], "reward.overlap_generation (true) does not "
+     "apply here: trainer.launcher is 'ray' (the engines run in remote actors); set it to null (auto) or false"),
 ]  # fmt: skip
 
 

@@ -2,9 +2,10 @@
 
 It scores like the built-in registry (``default_compute_score``), so a run with it and without a crash is
 the reference. With ``CRASH_SCORER_AT_CALL=K`` the process whose ``RANK`` is ``CRASH_SCORER_RANK`` (default
-1) SIGKILLs itself on its K-th call: a real crash inside the reward stage, after the step's rollout, with
-nothing of the step saved or logged. Every rank scores the whole batch, so step s (no validation) starts at
-call ``(s - 1) * data.train_batch_size * rollout.n + 1``.
+1) SIGKILLs itself on its K-th call: a real crash in the middle of a step (while its responses are generated
+and scored), with nothing of the step saved or logged. Each rank scores the responses its rollout replica generated
+(``reward.overlap_generation``, on by default), so with R replicas step s (no validation) starts at call
+``(s - 1) * data.train_batch_size * rollout.n / R + 1``.
 """
 
 from __future__ import annotations

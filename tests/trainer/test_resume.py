@@ -64,7 +64,8 @@ def test_resume_after_kill_is_exact_and_skips_a_corrupt_newest(tmp_path):
     from hybridrl.config import load_config
 
     cfg = load_config("tiny_cpu.yaml")
-    first_call_of_step_3 = 2 * cfg.data.train_batch_size * cfg.rollout.n + 1
+    # each of tiny_cpu's 2 rollout replicas scores the responses it generated (reward.overlap_generation)
+    first_call_of_step_3 = 2 * cfg.data.train_batch_size * cfg.rollout.n // 2 + 1
     ref, run = tmp_path / "ref", tmp_path / "run"
     done = _train(ref)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

@@ -1,0 +1,39 @@
+"""Where ``reward.overlap_generation`` (scoring responses while the batch still generates) applies.
+
+The streaming scorer (:mod:`hybridrl.rewards.stream`) hands each response vLLM finishes to the rule-based / custom
+scorer at once. It needs single-turn generation (the agent loop's trajectories are scored by their environment and
+end turn by turn), the rollout engine in the trainer's own process (SPMD: under ``trainer.launcher=ray`` it runs
+in remote actors) and a rule-based scorer (``reward.scorer`` not None; a reward model scores whole batches).
+"""
+
+from __future__ import annotations
+
+from hybridrl.config.checks_agent import agent_enabled
+from hybridrl.config.schema import ConfigError, RunConfig
+
+
+def overlap_blockers(cfg: RunConfig) -> list[str]:
+    """Why ``reward.overlap_generation`` cannot apply to this run (empty: it can)."""
+    out = []
+    if cfg.reward.scorer is None:
+        out.append("reward.scorer is null (no rule-based scorer to run)")
+    if agent_enabled(cfg):
+        out.append("rollout.agent is set (multi-turn trajectories)")
+    if cfg.trainer.launcher == "ray":
+        out.append("trainer.launcher is 'ray' (the engines run in remote actors)")
+    return out
+
+
+def overlap_enabled(cfg: RunConfig) -> bool:
+    """``reward.overlap_generation`` resolved: None = wherever it applies."""
+    return cfg.reward.overlap_generation is not False and not overlap_blockers(cfg)
+
+
+def check_overlap(cfg: RunConfig, world: int) -> None:
+    """``reward.overlap_generation=true`` only where it applies."""
+    blockers = overlap_blockers(cfg)
+    if cfg.reward.overlap_generation and blockers:
+        raise ConfigError(
+            f"reward.overlap_generation (true) does not apply here: {blockers[0]}; set it to null (auto) or false",
+            key="reward.overlap_generation",
+        )

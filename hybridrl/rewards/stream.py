@@ -1,0 +1,145 @@
+"""Rewards computed while the batch still generates (``reward.overlap_generation``): :class:`RewardStream`.
+
+Scoring a batch after generation waits for the slowest response first, then for every score; with a slow scorer
+(a sandbox running code, a remote judge) the reward stage is pure waiting. Here each response vLLM finishes goes
+to the :class:`~hybridrl.rewards.manager.RewardManager`'s scorer at once, on its threads
+(:class:`~hybridrl.rewards.pool.ScorerPool`: the same timeouts, errors and exit guard as a batch), while the rest
+of the batch keeps generating (:func:`hybridrl.rollout.streaming.generate_streaming`); after generation only the
+scores still running are waited for, and that wait overlaps the switch back to the training layout.
+
+The data flow follows generation's. The trainer opens a :class:`StreamSession` per rollout and passes it to the
+actor's ``generate_sequences``; each rollout replica's ranks score the responses they generated (their share of
+the prompts, split as ``generate_sequences`` splits them), and the actor's ``streamed_rewards`` (the same split)
+gathers every replica's scores, so that every rank ends with the whole batch's, as when each rank scores it all.
+The rows are then summed up as a batch is (:meth:`~hybridrl.rewards.manager.RewardManager.summarize`): the same
+scores, ``reward/errors`` / ``reward/timeouts``, warning and running totals. A response's text is decoded from
+exactly the tokens the batch holds, so the scores are the batch path's. Extra metric:
+``reward/scored_during_generation``, the fraction of responses whose score was done before generation ended.
+
+Applies to rule-based and custom scorers called row by row (:func:`~hybridrl.config.checks_overlap.overlap_enabled`);
+a reward model, or a ``RewardManager`` subclass with its own ``__call__`` (it may need the whole batch), keeps
+scoring after generation.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridrl.protocol import DataProto
+from hybridrl.rewards.manager import ERROR, OK, TIMEOUT, RewardManager, RewardResult, check_inputs, settle
+from hybridrl.rewards.pool import ScorerPool
+
+_STATUS = (OK, ERROR, TIMEOUT)
+KEYS = ("stream_score", "stream_status", "stream_early", "stream_length")
+"""The tensors :meth:`StreamSession.collect` returns per row (and the non-tensor ``stream_message``)."""
+
+
+class RewardStream:
+    """The run's streaming scorer: opens one :class:`StreamSession` per rollout.
+
+    Args:
+        manager: the run's reward manager (its scorer, ``timeout_s``, ``max_workers``, totals).
+        tokenizer: decodes responses as the trainer does (``tokenizer.decode(token_ids)``).
+    """
+
+    def __init__(self, manager: RewardManager, tokenizer: Any) -> None:
+        self.manager, self.tokenizer = manager, tokenizer
+
+    @classmethod
+    def from_config(cls, cfg: Any, manager: Any, tokenizer: Any) -> RewardStream | None:
+        """The stream of a run config (:func:`~hybridrl.config.checks_overlap.overlap_enabled`), or None: no
+        rule-based manager, or one whose ``__call__`` is its own (it scores whole batches)."""
+        from hybridrl.config.checks_overlap import overlap_enabled
+
+        if manager is None or type(manager).__call__ is not RewardManager.__call__ or not overlap_enabled(cfg):
+            return None
+        return cls(manager, tokenizer)
+
+    def session(self, prompts: DataProto) -> StreamSession:
+        """A session for one rollout of ``prompts`` (the batch the trainer passes to ``generate_sequences``)."""
+        check_inputs(prompts.non_tensor_batch)
+        return StreamSession(self, prompts)
+
+
+class StreamSession:
+    """One rollout's scores: this rank's side (:meth:`open`, the engine's ``on_step``, :meth:`collect`) and the
+    trainer's (:meth:`result`)."""
+
+    def __init__(self, stream: RewardStream, prompts: DataProto) -> None:
+        self.stream, self.prompts = stream, prompts
+        self.pool: ScorerPool | None = None
+        self.non_tensors: dict[str, Any] = {}
+        self.n = self.rows = 0
+        self.lengths: dict[int, int] = {}
+        self.generation_end = 0.0
+
+    # ---- on the rank that generates ----------------------------------------------------------------------
+
+    def open(self, prompts: DataProto, n: int) -> StreamSession:
+        """Start scoring this rank's share ``prompts`` (``b`` rows, ``n`` samples each); returns the engine's
+        ``on_step`` callback (this session)."""
+        m = self.stream.manager
+        self.pool = ScorerPool(m.timeout_s, m.max_workers)
+        self.non_tensors, self.n, self.rows = check_inputs(prompts.non_tensor_batch), n, len(prompts) * n
+        self.lengths = {}
+        return self
+
+    def __call__(self, finished: list[tuple[int, list[int]]]) -> None:
+        """The engine's ``on_step``: queue the scoring of the responses one step finished."""
+        assert self.pool is not None, "StreamSession: open() before generating"
+        m, decode = self.stream.manager, self.stream.tokenizer.decode
+        for row, tokens in finished:
+            self.lengths[row] = len(tokens)
+            self.pool.submit(row, m.row_call(self.non_tensors, row // self.n, decode(tokens)))
+        self.pool.poll()
+        self.generation_end = time.monotonic()  # the last call follows the last step
+
+    def collect(self) -> DataProto:
+        """Wait for this rank's scores; per row (``b * n``, as generated): ``stream_score`` float32,
+        ``stream_status`` (index into ok/error/timeout), ``stream_early`` (1: done before generation ended),
+        ``stream_length`` (response tokens) and the non-tensor ``stream_message`` ("" when ok)."""
+        assert self.pool is not None, "StreamSession: open() before collect()"
+        if sorted(self.lengths) != list(range(self.rows)):
+            raise RuntimeError(f"reward stream: {len(self.lengths)} of {self.rows} responses reached the scorer")
+        outcomes, at = self.pool.wait(), self.pool.settled_at
+        rows = [settle(outcomes[r], self.stream.manager.timeout_s) for r in range(self.rows)]
+        messages = np.empty(self.rows, dtype=object)
+        messages[:] = [message for _, _, message in rows]
+        tensors = {
+            "stream_score": torch.tensor([score for score, _, _ in rows], dtype=torch.float32),
+            "stream_status": torch.tensor([_STATUS.index(status) for _, status, _ in rows], dtype=torch.int64),
+            "stream_early": torch.tensor([at[r] <= self.generation_end for r in range(self.rows)], dtype=torch.int64),
+            "stream_length": torch.tensor([self.lengths[r] for r in range(self.rows)], dtype=torch.int64),
+        }
+        self.pool = None
+        return DataProto.from_dict(tensors, {"stream_message": messages})
+
+    # ---- on every rank, after generation -----------------------------------------------------------------
+
+    def result(self, actor: Any, batch: DataProto, response_mask: torch.Tensor) -> RewardResult:
+        """The batch's :class:`~hybridrl.rewards.manager.RewardResult`: every replica's scores, gathered by the
+        actor group's ``streamed_rewards`` (blocks until the last scores are done).
+
+        Args:
+            actor: the actor's worker group (the one that ran ``generate_sequences``).
+            batch: the rollout batch ``generate_sequences`` returned for :attr:`prompts`.
+            response_mask: ``(B, r)``.
+        """
+        got = actor.streamed_rewards(self.prompts, self)
+        written = batch.batch["attention_mask"][:, -batch.batch["responses"].shape[1] :].sum(-1)
+        if len(got) != len(batch) or not torch.equal(got.batch["stream_length"].cpu(), written.cpu()):
+            raise RuntimeError(f"reward stream: {len(got)} scored rows do not match the batch's {len(batch)} responses")
+        b = got.batch
+        rows = [
+            (float(s), _STATUS[int(k)], str(msg))
+            for s, k, msg in zip(
+                b["stream_score"], b["stream_status"], got.non_tensor_batch["stream_message"], strict=True
+            )
+        ]
+        result = self.stream.manager.summarize(batch, rows, response_mask)
+        result.metrics["reward/scored_during_generation"] = float(b["stream_early"].float().mean())
+        return result
