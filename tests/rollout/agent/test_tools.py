@@ -78,11 +78,13 @@ class _Tools(Environment):
     def hang(self) -> str:
         """Sleep past the timeout."""
         time.sleep(5)
+        self.hang_returned = True
         return "late"
 
 
 def test_tool_calls_become_observations_never_crashes():
-    tools = {t.name: t for t in environment_tools(_Tools())}
+    env = _Tools()
+    tools = {t.name: t for t in environment_tools(env)}
     assert tools["echo"].parameters == {
         "type": "object", "properties": {"text": {"type": "string", "description": "what to say."}},
         "required": ["text"],
@@ -92,9 +94,8 @@ def test_tool_calls_become_observations_never_crashes():
         '{"name": "number", "arguments": {}}', '{"name": "hang", "arguments": {}}', '{"name": "nope", "arguments": {}}',
         '{"name": "echo", "arguments": {"text": 5}}', "{oops}",
     ))  # fmt: skip
-    t0 = time.perf_counter()
     results = run_tool_calls(parse_hermes(text), tools, timeout_s=0.3, max_chars=100)
-    assert time.perf_counter() - t0 < 2.0  # the hanging call is abandoned at its timeout, in parallel with the rest
+    assert not getattr(env, "hang_returned", False)  # the hanging call was abandoned at its timeout, not waited for
     assert [r.status for r in results] == [OK, ERROR, ERROR, TIMEOUT, INVALID, INVALID, INVALID]
     assert results[0].content == "hi"
     assert "RuntimeError: kaput" in results[1].content and "returned int, not text" in results[2].content
