@@ -7,7 +7,9 @@ layout), through the trainer's own calls (``compute.compute_log_probs``, ``compu
 Per pass: wall seconds (median of 3 after a warm-up; the machine is shared, so the profiled run's own wall time is
 the denominator of its shares), the share of time in GEMMs (mm / addmm / bmm / baddbmm), the
 rest of the aten ops, and outside any aten op (Python, Megatron's glue, the schedule), and the top ops by self
-time. Run through ``python bench/step_vs_hf.py --profile [--model small] [--response-length 32]``.
+time. The actor update is also split by phase: forward and backward (each GEMM / collectives / other aten ops),
+the optimizer step (grad reduction, norm, clip, AdamW) and ``zero_grad``. Run through
+``python bench/step_vs_hf.py --profile [--model small] [--response-length 32]``.
 """
 
 from __future__ import annotations
@@ -53,7 +55,31 @@ def _summary(prof, wall: float) -> dict:
     total = sum(self_s.values())
     gemm = sum(v for k, v in self_s.items() if k in GEMMS)
     top = sorted(self_s.items(), key=lambda kv: -kv[1])[:8]
-    return {"wall": wall, "gemm": gemm, "aten": total, "top": top}
+    return {"wall": wall, "gemm": gemm, "aten": total, "top": top, "split": _split(prof)}
+
+
+PHASES = ("update/zero_grad", "update/forward_backward", "update/optimizer")
+"""``record_function`` labels of the actor update's phases (:func:`_split` attributes aten time to them)."""
+
+
+def _split(prof) -> dict[str, float]:
+    """Self seconds of aten and c10d ops per ``phase:part``: the :data:`PHASES` label above the op, ``fwd`` or
+    ``bwd`` (under an autograd backward node), ``gemm`` / ``comm`` (collectives) / ``other``."""
+    split: dict[str, float] = {}
+    for e in prof.events():
+        is_comm = e.name.startswith("c10d::")
+        if not (e.name.startswith("aten::") or is_comm) or e.self_cpu_time_total <= 0:
+            continue
+        phase, backward, parent = "-", False, e.cpu_parent
+        while parent is not None:
+            if parent.name in PHASES:
+                phase = parent.name.removeprefix("update/")
+            backward |= "Backward" in parent.name or parent.name.startswith("autograd::engine")
+            parent = parent.cpu_parent
+        kind = "gemm" if e.name in GEMMS else "comm" if is_comm else "other"
+        key = f"{phase}:{'bwd' if backward else 'fwd'}:{kind}" if phase == "forward_backward" else f"{phase}:{kind}"
+        split[key] = split.get(key, 0.0) + e.self_cpu_time_total / 1e6
+    return split
 
 
 PARTS = {"self_attention": "attention", "linear_qkv": "qkv", "linear_proj": "attention out", "mlp": "mlp",
@@ -84,7 +110,7 @@ def _forward_parts(chunks, fn) -> dict[str, float]:
 
 
 def _body(rank: int, world: int, paths: dict, args: dict) -> dict:
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     from hybridrl.algos.objectives import ActorLoss
     from hybridrl.config.schema_roles import ActorConfig
@@ -104,9 +130,12 @@ def _body(rank: int, world: int, paths: dict, args: dict) -> dict:
     scoring = {k: batch[k] for k in keys}
 
     def update():
-        optimizer.zero_grad()
-        compute.forward_backward(optimizer.chunks, batch, objective, micro, head=head, share_prefix=None)
-        optimizer.step()
+        with record_function(PHASES[0]):
+            optimizer.zero_grad()
+        with record_function(PHASES[1]):
+            compute.forward_backward(optimizer.chunks, batch, objective, micro, head=head, share_prefix=None)
+        with record_function(PHASES[2]):
+            optimizer.step()
 
     passes = {
         "old_log_prob": lambda: compute.compute_log_probs(actor.chunks, scoring, micro, with_entropy=True,
@@ -154,6 +183,11 @@ def profile(args, make_assets) -> None:
             f"{name:14s} {r['median']:6.3f}|{r['wall']:6.3f} {100 * r['gemm'] / r['wall']:5.0f}% "
             f"{100 * (prof_total - r['gemm']) / r['wall']:10.0f}% {100 * outside / r['wall']:12.0f}%  {top}"
         )
+    split = res["update_actor"]["split"]
+    wall = res["update_actor"]["wall"]
+    phases = ", ".join(f"{k} {100 * v / wall:.0f}%" for k, v in sorted(split.items(), key=lambda kv: -kv[1]) if v > 0)
+    print(f"update_actor by phase (aten/c10d self time, share of the profiled run): {phases}; outside aten "
+          f"{100 * max(wall - sum(split.values()), 0.0) / wall:.0f}%")  # fmt: skip
     # "attention" holds qkv and its output projection too: its own share is the core (scores, softmax) and RoPE
     total = parts.pop("total")
     parts["attention"] -= parts.get("qkv", 0.0) + parts.get("attention out", 0.0)

@@ -282,7 +282,7 @@ def _installed(chunks, shared):
 def _head_input(output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The model output as heads read it: packed outputs become ``(mb, r, ...)`` at the response positions."""
     if micro_batch.get(response_logits.KEY):
-        return output
+        return response_logits.as_responses(output, micro_batch)
     return prefix_share.unpack(output, micro_batch) if "packed_index" in micro_batch else output
 
 

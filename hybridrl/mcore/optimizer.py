@@ -3,8 +3,8 @@
 - GPU (:class:`MegatronOptimizer`): Megatron's ``DistributedDataParallel`` (grads in fp32 buckets,
   reduce-scattered) + ``DistributedOptimizer`` (bf16 params, fp32 master weights and Adam states sharded
   over DP) from ``get_megatron_optimizer``.
-- CPU (:class:`TorchOptimizer`): what works on gloo (docs/cpu_stack.md): ``torch.optim.AdamW`` on the model's own
-  fp32 params, gradients SUMMED over data-parallel ranks through a few flat buckets (one all-reduce per
+- CPU (:class:`TorchOptimizer`): what works on gloo (docs/cpu_stack.md): ``torch.optim.AdamW`` (fused) on the
+  model's own fp32 params, gradients SUMMED over data-parallel ranks through a few flat buckets (one all-reduce per
   bucket of ``bucket_numel`` elements, not one per parameter), and a TP/PP-aware global grad norm.
 
 Both apply the same step: set ``lr = LRSchedule(step)``, compute the global gradient norm
@@ -101,6 +101,19 @@ def plan_buckets(params: list[torch.nn.Parameter], bucket_numel: int) -> list[li
     return buckets
 
 
+FUSED_DEVICES = ("cpu", "cuda")
+"""Device types whose params get torch's fused AdamW (``fused=True``) on the torch path."""
+
+
+def fused_adamw(params: list[torch.nn.Parameter]) -> bool | None:
+    """``fused=True`` for ``torch.optim.AdamW`` when every param is on a :data:`FUSED_DEVICES` device, else None
+    (torch's default). On CPU torch's default is its per-param loop, about seven elementwise passes over each
+    param, whose temporaries (``sqrt(v)``, the denominator) are as large as the param; the fused kernel reads and
+    writes param, grad and both moments once. Same update, in a different float order: weights differ from the
+    loop's by at most an ulp per step (tests/mcore/test_update_path.py)."""
+    return True if params and all(p.device.type in FUSED_DEVICES for p in params) else None
+
+
 class _Checkpointable:
     """``state_dict`` / ``load_state_dict`` of a wrapper holding ``self.optimizer`` and ``self.num_steps``."""
 
@@ -140,7 +153,8 @@ class TorchOptimizer(_Checkpointable):
         groups = [g for g in groups if g["params"]]
         for g in groups:
             g["weight_decay"] = config.weight_decay * g["wd_mult"]
-        self.optimizer = torch.optim.AdamW(groups, lr=self.schedule(0), betas=config.betas, eps=config.eps)
+        self.optimizer = torch.optim.AdamW(groups, lr=self.schedule(0), betas=config.betas, eps=config.eps,
+                                           fused=fused_adamw(self.params))  # fmt: skip
         # Expert params (MoE) are summed over the expert-data-parallel group and their norm over the expert
         # model-parallel group (EP x expert-TP x PP): see hybridrl.mcore.moe_optim.
         self._expert = [moe_optim.is_expert(p) for p in self.params]
@@ -160,6 +174,12 @@ class TorchOptimizer(_Checkpointable):
             elif getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name:
                 self._tp_sum.append(i)
         self.num_steps = 0
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        fused = fused_adamw(self.params)  # the loaded groups carry the saving run's choice: keep this run's
+        for group in self.optimizer.param_groups:
+            group["fused"], group["foreach"] = fused, None
 
     def zero_grad(self) -> None:
         """Drop the accumulated gradients (before the next :func:`~hybridrl.mcore.compute.forward_backward`)."""

@@ -5,8 +5,11 @@ token (``response_positions``, or ``packed_index`` for prompt-shared rows). Mega
 layer (``h -> V/tp``, the largest GEMM of a small model) and returns logits for every position: the prompt, the
 padding, the position after the last response token, all computed, copied (its ``[s, b] -> [b, s]`` transpose)
 and dropped. While :func:`installed` is active, a forward pre-hook on each last-stage output layer replaces its
-input hidden states ``[s, b, h]`` by the rows at the current micro-batch's response positions ``[r, rows, h]``,
-so the model returns ``(rows, r, V/tp)`` and the heads read it as is (:data:`KEY` set in the micro-batch).
+input hidden states ``[s, b, h]`` by the rows at the current micro-batch's response positions, row-major
+``[1, rows * r, h]``, so the model returns ``(rows * r, 1, V/tp)`` and :func:`as_responses` views it as
+``(rows, r, V/tp)`` for the heads (:data:`KEY` set in the micro-batch). With a sequence dim of 1, GPTModel's
+``[s, b] -> [b, s]`` transpose of the logits is a view, not a copy, in forward and in backward (the output
+layer's weight-gradient GEMM then reads its input gradient as is instead of copying a transposed one).
 
 The output layer is a per-position map, so the logits at the kept positions are the same (GEMM blocking may
 change float summation order); the gradient reaching the final norm is the same too, since the dropped
@@ -32,7 +35,7 @@ KEY = "output_at_responses"
 
 
 def flat_index(micro_batch: dict[str, torch.Tensor], s: int, b: int) -> torch.Tensor:
-    """``(r, rows)`` indices into the model's sequence-first hidden states flattened to ``(s * b, h)``.
+    """``(rows, r)`` indices into the model's sequence-first hidden states flattened to ``(s * b, h)``.
 
     Args:
         micro_batch: a prepared micro-batch: ``response_positions`` ``(rows, r)`` into a ``(b, s)`` output, or a
@@ -45,7 +48,7 @@ def flat_index(micro_batch: dict[str, torch.Tensor], s: int, b: int) -> torch.Te
     else:
         pos = micro_batch["response_positions"]
         row = torch.arange(pos.shape[0], device=pos.device).unsqueeze(1).expand_as(pos)
-    return (pos * b + row).t()
+    return pos * b + row
 
 
 def usable(chunks: list[torch.nn.Module], head) -> bool:
@@ -74,8 +77,19 @@ class Selector:
         s, b, h = hidden.shape
         index = self.index
         self.index = None  # one output-layer call per model call
-        picked = hidden.reshape(s * b, h)[index.reshape(-1)].reshape(*index.shape, h)
+        picked = hidden.reshape(s * b, h)[index.reshape(-1)].unsqueeze(0)  # [1, rows * r, h]: see the module docs
         return (picked, *args[1:]), kwargs
+
+
+def as_responses(output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model output of a selected pass, ``(rows * r, 1, *rest)``, as ``(rows, r, *rest)`` (a view).
+
+    Args:
+        output: what the model returned while the selection was active: one row per response position.
+        micro_batch: the micro-batch it ran, whose ``responses`` ``(rows, r)`` give the shape.
+    """
+    rows, r = micro_batch["responses"].shape
+    return output.view(rows, r, *output.shape[2:])
 
 
 @contextlib.contextmanager

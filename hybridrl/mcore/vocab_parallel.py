@@ -109,31 +109,36 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             return grad.reshape(logits.shape), None, None, None, None, None
         g_lp = grad_logp.reshape(-1).to(compute) if grad_logp is not None else None
         g_ent = grad_entropy.reshape(-1).to(compute) if grad_entropy is not None else None
+        in_place = compute == logits.dtype  # x is computed in the gradient's own memory: no copy at the end
         for c in _chunks(rows, n_valid) if n_valid > 0 else []:
-            x = _shifted(flat[c, :n_valid], m[c], temperature, compute)
-            p = (x - log_z[c].unsqueeze(-1)).exp_()
+            x = _shifted(flat[c, :n_valid], m[c], temperature, compute, out=grad[c, :n_valid] if in_place else None)
             # d log p(t) / dx_j = 1[j = t] - p_j;  dH / dx_j = -p_j ((x_j - m) - S / Z);  then / temperature
             if g_ent is not None:
+                p = (x - log_z[c].unsqueeze(-1)).exp_()
                 out = x.sub_(mean_x[c].unsqueeze(-1)).mul_(g_ent[c].unsqueeze(-1))
                 if g_lp is not None:
                     out.add_(g_lp[c].unsqueeze(-1))
                 out.mul_(p).neg_()
             else:
-                out = p.mul_(-g_lp[c].unsqueeze(-1))
+                out = x.sub_(log_z[c].unsqueeze(-1)).exp_().mul_(-g_lp[c].unsqueeze(-1))  # p_j, then its term
             if g_lp is not None:
                 out.scatter_add_(-1, idx[c].unsqueeze(-1), (g_lp[c] * owned[c]).unsqueeze(-1))
             if temperature != 1.0:
                 out.div_(temperature)
-            grad[c, :n_valid] = out
+            if not in_place:
+                grad[c, :n_valid] = out
         return grad.reshape(logits.shape), None, None, None, None, None
 
 
-def _shifted(logits: torch.Tensor, m: torch.Tensor, temperature: float, compute: torch.dtype) -> torch.Tensor:
-    """``logits / temperature - m`` in ``compute`` (a new tensor: the caller may work on it in place)."""
+def _shifted(
+    logits: torch.Tensor, m: torch.Tensor, temperature: float, compute: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``logits / temperature - m`` in ``compute``: a new tensor, or written into ``out`` (``compute``, the shape
+    of ``logits``) when given; the caller may work on it in place."""
     x = logits.to(compute)
     if temperature != 1.0:  # in fp32: dividing 16-bit logits first would round them again
-        return x.div(temperature).sub_(m.unsqueeze(-1))
-    return x.sub(m.unsqueeze(-1))
+        return torch.div(x, temperature, out=out).sub_(m.unsqueeze(-1))
+    return torch.sub(x, m.unsqueeze(-1), out=out)
 
 
 def log_probs_and_entropy(
