@@ -453,6 +453,9 @@ CASES = [
      "checkpoints yet; set trainer.save_freq=-1 or launch SPMD (trainer.launcher=spmd, under torchrun)"),
     (TINY, ["rollout.agent.max_turns=0"], "rollout.agent.max_turns (0) must be >= 1; set it to 1 for single-turn "
      "trajectories"),
+    (TINY, ["rollout.cpu_kv_cache_gib=0.0001"], "rollout.cpu_kv_cache_gib (0.0001 GiB) cannot hold one sequence of "
+     "rollout.max_model_len (32) tokens, which needs 0.2 MiB of KV cache; raise rollout.cpu_kv_cache_gib or unset it "
+     "for the auto size"),
 ]  # fmt: skip
 
 
