@@ -252,11 +252,14 @@ class HiddenEnv:
 
 
 def check_kv_cache(cfg: Any, world: int) -> None:
-    """Config check: the KV cache settings resolve to a size that holds one whole sequence (a model of unknown
-    shape is checked when the engine starts)."""
+    """Config check: the KV cache settings resolve to a size that holds one whole sequence. Skipped for a config
+    that uses CUDA graphs (a GPU run, as the memory estimate assumes) and a model of unknown shape: the engine
+    checks again when it starts on CPU."""
     from hybridrl.config.memory import model_fields
     from hybridrl.config.schema import ConfigError
 
+    if not cfg.rollout.enforce_eager:
+        return
     fields = model_fields(cfg)
     if any(fields.get(k) is None for k in ("num_hidden_layers", "num_attention_heads", "hidden_size")):
         return
