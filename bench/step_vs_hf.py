@@ -16,8 +16,8 @@ PPO clip loss, one optimizer step per rollout, AdamW lr 1e-5, grad clip 1.0, fp3
 Both run as subprocesses of this script, alternated (HF first in odd rounds, hybridrl first in even ones), with
 ``--steps`` steps each; step 1 is a warm-up and is dropped. Per stage: seconds per step and hybridrl / HF; for the
 step: tokens/s (prompt + response tokens / step time) and its ratio; peak memory: the largest sum of RSS over the
-side's process tree (sampled every 0.2 s; hybridrl's includes vLLM's zero-filled KV cache of
-``VLLM_CPU_KVCACHE_SPACE`` GiB per engine, and the launcher).
+side's process tree (sampled every 0.2 s; hybridrl's includes vLLM's zero-filled KV cache per engine, sized to the
+rollout unless ``VLLM_CPU_KVCACHE_SPACE`` or ``rollout.cpu_kv_cache_gib`` says otherwise, and the launcher).
 
     python bench/step_vs_hf.py [--model tiny|small|both] [--response-length 32] [--steps 3] [--rounds 1]
     python bench/step_vs_hf.py --profile [--model small]   # where hybridrl's passes spend their time (in-process)
@@ -261,8 +261,7 @@ def run_hybridrl(paths: dict, args, work: str, nproc: int, threads: int) -> dict
     ]  # fmt: skip
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m", "hybridrl", "train", "tiny_cpu_grpo.yaml"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     wall, peak = _run(cmd + overrides, env, os.path.join(work, "hybridrl.log"))
     with open(os.path.join(out, "logs", "metrics.jsonl")) as f:
         records = [r for r in map(json.loads, f) if "timing_s/step" in r]

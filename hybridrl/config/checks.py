@@ -27,6 +27,7 @@ from hybridrl.config.checks_overlap import check_overlap
 from hybridrl.config.checks_routing import check_routing
 from hybridrl.config.checks_values import check_finite
 from hybridrl.config.checks_variants import check_loop_features, check_loss_variants, fill_variants
+from hybridrl.config.kv_cache import check_kv_cache, fill_sequences
 from hybridrl.config.layout import check_layouts, derived_dp, options_of, run_layout, world_size_of
 from hybridrl.config.schema import (
     ADV_ESTIMATORS,
@@ -133,6 +134,7 @@ def fill_derived(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     if cfg.resources.process_on_nodes is None:
         cfg.resources.process_on_nodes = [cfg.trainer.n_gpus_per_node] * cfg.trainer.nnodes
     fill_variants(cfg)
+    fill_sequences(cfg, world)
     return cfg
 
 
@@ -503,6 +505,7 @@ CHECKS: tuple[Callable[[RunConfig, int], None], ...] = (
     check_agent,
     check_routing,
     check_overlap,
+    check_kv_cache,
 )
 """Run in this order: single fields first, so later checks may rely on positive sizes."""
 

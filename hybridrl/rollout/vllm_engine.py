@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.config import kv_cache
 from hybridrl.config.schema_roles import RolloutConfig
 from hybridrl.distributed.layout import ParallelLayout
 from hybridrl.protocol import DataProto
@@ -187,6 +188,7 @@ class VLLMRolloutEngine(RolloutEngine):
         weight_push: "auto" (``reload_weights``), "reload", or "direct" (``model.load_weights``, GPU only).
         record_routes: record the experts an MoE model routes each token to; :meth:`generate` then adds
             ``rollout_routed_experts`` (:mod:`hybridrl.rollout.routes`).
+        cpu_kv_cache_gib, kv_cache_sequences: CPU KV cache size, as ``rollout.*`` (:mod:`hybridrl.config.kv_cache`).
         **engine_kwargs: passed to ``vllm.LLM`` (e.g. ``distributed_executor_backend``, ``max_num_seqs``).
     """
 
@@ -209,13 +211,13 @@ class VLLMRolloutEngine(RolloutEngine):
         logprobs_mode: str = "processed_logprobs",
         weight_push: str = "auto",
         record_routes: bool = False,
+        cpu_kv_cache_gib: float | None = None,
+        kv_cache_sequences: int | None = None,
         **engine_kwargs: Any,
     ) -> None:
         # The engine lives in the trainer's process (no engine-core subprocess): the hybrid engine writes
-        # into its parameters. CPU: a small KV cache (docs/vllm.md).
+        # into its parameters.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if not torch.cuda.is_available():
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
 
         if weight_push not in ("auto", "reload", "direct"):
@@ -255,6 +257,7 @@ class VLLMRolloutEngine(RolloutEngine):
             generation_config="vllm",  # defaults from here, never from a generation_config.json
             logprobs_mode=logprobs_mode,
         )
+        self.kv_cache: kv_cache.KVSize | None = None  # CPU only (hybridrl.config.kv_cache)
         if on_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
         else:
@@ -264,6 +267,9 @@ class VLLMRolloutEngine(RolloutEngine):
             # splits a prompt raises "CPU Generator does not use offset". Whole prompts only, then.
             longest = max_model_len or cfg.get("max_position_embeddings") or 0
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, longest))
+            self.kv_cache = kv_cache.engine_size(cfg, tensor_parallel_size, dtype, longest, cpu_kv_cache_gib,
+                                                 kv_cache_sequences, engine_kwargs)  # fmt: skip
+            kwargs.update(kv_cache.engine_bytes(self.kv_cache))  # vllm-cpu zero-fills it all: size it to the rollout
         if torch.distributed.is_initialized():  # vLLM's own groups wait as long as the trainer's, not torch's 30 min
             from hybridrl.distributed.env import collective_timeout_s
 
@@ -274,7 +280,8 @@ class VLLMRolloutEngine(RolloutEngine):
         kwargs.update(engine_kwargs)
         t0 = time.perf_counter()
         try:
-            self.llm = LLM(**kwargs)
+            with kv_cache.HiddenEnv(self.kv_cache):
+                self.llm = LLM(**kwargs)
         except ValueError as e:  # vLLM's start-up budget check, explained in this framework's terms
             hint = explain_start_error(str(e), gpu_memory_utilization)
             if hint is None:
@@ -335,6 +342,8 @@ class VLLMRolloutEngine(RolloutEngine):
             sampling=sampling,
             enforce_eager=cfg.enforce_eager or not torch.cuda.is_available(),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
+            cpu_kv_cache_gib=cfg.cpu_kv_cache_gib,
+            kv_cache_sequences=cfg.kv_cache_sequences,
             **{**engine_kwargs, **kwargs},
         )
 

@@ -455,6 +455,9 @@ CASES = [
      "trajectories"),
     (TINY, ["trainer.launcher=ray", "reward.overlap_generation=true"], "reward.overlap_generation (true) does not "
      "apply here: trainer.launcher is 'ray' (the engines run in remote actors); set it to null (auto) or false"),
+    (TINY, ["rollout.cpu_kv_cache_gib=0.0001"], "rollout.cpu_kv_cache_gib (0.0001 GiB) cannot hold one sequence of "
+     "rollout.max_model_len (32) tokens, which needs 0.2 MiB of KV cache; raise rollout.cpu_kv_cache_gib or unset it "
+     "for the auto size"),
 ]  # fmt: skip
 
 

@@ -8,7 +8,8 @@ import pytest
 
 from hybridrl.cli import main
 from hybridrl.config import load_config
-from hybridrl.config.memory import GIB, architecture, estimate, per_rank_params
+from hybridrl.config.kv_cache import config_size
+from hybridrl.config.memory import GIB, architecture, estimate, model_fields, per_rank_params
 
 
 @pytest.fixture(autouse=True)
@@ -41,12 +42,13 @@ def test_cpu_config_is_host_ram_without_device(capsys):
     out = _memory(capsys, "tiny_cpu.yaml")
     assert out.startswith("memory per rank in GiB, CPU run, host RAM (rollout.enforce_eager true;")
     assert "GPU with" not in out and "warning" not in out and "gpu_memory_utilization" not in out
-    assert "VLLM_CPU_KVCACHE_SPACE 1 GiB of KV cache" in out
+    kv = config_size(load_config("tiny_cpu.yaml"), model_fields(load_config("tiny_cpu.yaml")))
+    assert kv.source == "auto" and f"auto KV cache {kv.bytes / 1024**2:.0f} MiB (4 sequences" in out
     assert "8 B/param, not sharded (torch backend)" in out  # fp32 AdamW: two moments, no master copy
     est = estimate(load_config("tiny_cpu.yaml"))
     arch = architecture(load_config("tiny_cpu.yaml"))
     vllm_weights = per_rank_params(arch, 1, 1) * 4 / GIB  # rollout tp 1, fp32
-    assert est.rollout_gib == pytest.approx(vllm_weights + 1.0)
+    assert est.rollout_gib == pytest.approx(vllm_weights + kv.gib)
     total = sum(p.gib for p in est.parts.values()) + est.rollout_gib
     (line,) = [line for line in out.splitlines() if line.startswith("  total ")]
     assert line.split() == ["total", f"{total:.2f}"]  # every part counted, nothing offloaded
