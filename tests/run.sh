@@ -15,7 +15,7 @@ echo "[tests] ruff check + format" >&2
 "$HYBRIDRL_PY" -m ruff format --check .
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+export VLLM_ENABLE_V1_MULTIPROCESSING=0
 set +e
 "$HYBRIDRL_PY" -m pytest --timeout=1200 --durations=30 "$@"
 rc=$?

@@ -77,7 +77,7 @@ def test_sigstopped_rank_ends_the_job_within_the_timeout(tmp_path):
     import psutil
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
-    env.update(OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+    env.update(OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                HYBRIDRL_DEMO_WARMUP_STEPS="2", HYBRIDRL_TEST_STOP_AT_STEP="2")  # fmt: skip
     overrides = ["trainer.total_steps=4", f"trainer.collective_timeout_s={TIMEOUT_S}", "trainer.test_freq=-1",
                  "trainer.loggers=[console]", f"trainer.default_local_dir={tmp_path}", "data.train_batch_size=8",

@@ -164,7 +164,7 @@ CASES = {
 
 
 def _body(rank: int, world: int, root: str) -> dict:
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     import torch.distributed as dist
 
     from hybridrl import cli, errors

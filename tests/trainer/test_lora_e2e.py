@@ -27,7 +27,7 @@ pytestmark = pytest.mark.multirank
 def _hybridrl(nproc: int, *args: str) -> str:
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), "-m", "hybridrl", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return result.stdout + result.stderr

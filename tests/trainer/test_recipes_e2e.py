@@ -24,7 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # minutes: several torchrun launches each
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _torchrun(nproc: int, *args: str) -> str:

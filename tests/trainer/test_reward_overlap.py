@@ -42,7 +42,7 @@ def _sample(trainer, prompts, stream, scorer) -> tuple:
 
 
 def _body(rank: int, world: int, root: str, overrides: list[str]) -> dict:
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     import numpy as np
     import torch
 
