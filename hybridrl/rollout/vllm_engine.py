@@ -11,6 +11,7 @@ sleep mode) are written up in docs/vllm.md; tests/rollout/test_vllm_engine.py ch
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from hybridrl.config.schema_roles import RolloutConfig
 from hybridrl.distributed.layout import ParallelLayout
+from hybridrl.mcore import cpu_compat
 from hybridrl.protocol import DataProto
 from hybridrl.rollout import routes
 from hybridrl.rollout.base import KV_CACHE, WEIGHTS, RolloutEngine, pack_rollout, unpad_prompts
@@ -263,6 +265,10 @@ class VLLMRolloutEngine(RolloutEngine):
             # splits a prompt raises "CPU Generator does not use offset". Whole prompts only, then.
             longest = max_model_len or cfg.get("max_position_embeddings") or 0
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, longest))
+            from vllm.v1.sample import sampler
+
+            cpu_compat.eager_vllm_token_ranks(sampler)  # no TorchInductor compilation per process (cpu_compat)
+            gc.freeze()  # vLLM's five full collections at start-up then scan only what the engine allocates
         if torch.distributed.is_initialized():  # vLLM's own groups wait as long as the trainer's, not torch's 30 min
             from hybridrl.distributed.env import collective_timeout_s
 
