@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import hybridrl
 from hybridrl.errors import InputError, is_peer_failure, report_input_error, report_peer_failure
+from hybridrl.trainer import startup
 
 USAGE = """hybridrl <command> [args]
 
@@ -248,7 +249,10 @@ COMMANDS = {"validate-config": cmd_validate_config, "export": cmd_export, "train
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command, through :func:`funnel`."""
+    """Run one command, through :func:`funnel`. ``argv`` None: this process's own command line (``hybridrl ...``,
+    ``python -m hybridrl ...``), whose launched commands also pause the garbage collector through start-up and end
+    the process quickly (:mod:`hybridrl.trainer.startup`); a list: a call from Python, which leaves both alone."""
+    launched = argv is None and len(sys.argv) > 1 and sys.argv[1] in ("train", "export", *RECIPE_COMMANDS)
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
@@ -260,33 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"unknown command {command!r}; run 'hybridrl --help' for the list", file=sys.stderr)
         return 2
+    if launched:
+        startup.pause_collection()  # until training starts (hybridrl.trainer.startup)
     if command in ("train", "export", *RECIPE_COMMANDS) or "--inputs" in rest:  # --inputs: Megatron opens model folders
         from hybridrl import console
 
         console.install()  # before Megatron / vLLM load: their known-harmless warnings stay off the console
     code = funnel(lambda: COMMANDS[command](rest))
-    if command in ("train", "export", *RECIPE_COMMANDS):
-        finish_quickly()
+    if launched:
+        startup.finish_quickly()
     return code
-
-
-def finish_quickly() -> None:
-    """Run the exit hooks now, then freeze the heap: what is left of the interpreter's exit is cheap.
-
-    At exit Python runs the libraries' exit hooks (vLLM's engine shutdown among them: it unfreezes the heap and
-    collects it), then tears its modules down with more full collections, each a pass over every object that
-    torch, Megatron, vLLM and the models hold: seconds of CPU per rank, every launch. Run here, the hooks do their
-    work in full, once. With the heap frozen the teardown skips it: objects still referenced at exit are left to
-    the operating system, as in a process that ends with ``os._exit`` (what multiprocessing's children do), while
-    the C-level exit handlers still run. Everything a run writes is closed by then (metrics, checkpoints, logs).
-    """
-    import atexit
-    import gc
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    atexit._run_exitfuncs()  # the registered hooks, once: CPython clears them after running them
-    gc.freeze()
 
 
 def funnel(command: Callable[[], int | None]) -> int:

@@ -1,5 +1,5 @@
-"""How a launched command ends (``hybridrl.cli.finish_quickly``): the libraries' exit hooks run once, in full, and
-the heap is frozen before the interpreter's own teardown, whose last full collections then skip it.
+"""How a launched command ends (``hybridrl.trainer.startup.finish_quickly``): the libraries' exit hooks run once,
+and the heap is frozen before the interpreter's own teardown, whose last full collections then skip it.
 
 A real ``hybridrl train`` process holds torch, Megatron, vLLM and its models: each full collection of its heap is
 a fraction of a second of CPU, and the interpreter's exit runs several after vLLM's exit hook has unfrozen the
@@ -25,15 +25,16 @@ def engine_shutdown():  # what vLLM's engine shutdown does in its exit hook
 
 atexit.register(engine_shutdown)
 from hybridrl.cli import main
-code = main([COMMAND, "no_such_config.yaml"])
+sys.argv = ["hybridrl", COMMAND, "no_such_config.yaml"]  # as the console script and python -m hybridrl call it
+code = CALL
 print("returned, heap frozen:", gc.get_freeze_count() > 0, flush=True)
 sys.exit(code)
 """
 
 
-def _run(command: str) -> subprocess.CompletedProcess:
+def _run(command: str, call: str = "main()") -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HYBRIDRL_VERBOSE": "0"}
-    code = SCRIPT.replace("COMMAND", repr(command))
+    code = SCRIPT.replace("COMMAND", repr(command)).replace("CALL", call)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
 
 
@@ -45,8 +46,10 @@ def test_launched_command_ends_with_a_frozen_heap():
     assert lines == ["exit hook ran", "returned, heap frozen: True"], lines  # hooks once, before the teardown
 
 
-def test_other_commands_end_as_usual():
-    done = _run("validate-config")  # one short process: nothing to gain, the interpreter's own exit
-    assert done.returncode == 2, done.stdout + done.stderr
-    lines = [line for line in done.stdout.splitlines() if not line.startswith("[hybridrl]")]
-    assert lines == ["returned, heap frozen: False", "exit hook ran"], lines
+def test_other_commands_and_python_callers_end_as_usual():
+    for command, code in (("validate-config", "main()"), ("train", "main(sys.argv[1:])")):
+        # validate-config: one short process, nothing to gain; main(argv) from Python: not this process's own end
+        done = _run(command, code)
+        assert done.returncode == 2, done.stdout + done.stderr
+        lines = [line for line in done.stdout.splitlines() if not line.startswith("[hybridrl]")]
+        assert lines == ["returned, heap frozen: False", "exit hook ran"], (command, lines)
