@@ -212,6 +212,7 @@ def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
     if penv.launcher == "single" and load_config(config, overrides).trainer.launcher == "ray":
         from hybridrl.trainer.ray_launch import train_ray
 
+        startup.start_training()  # the driver's loop runs from here on: the collector comes back
         return train_ray(config, overrides)  # one driver; the devices are Ray actors
     cfg = load_config(config, overrides, world_size=penv.world_size)  # every check before any collective
     if cfg.trainer.launcher == "ray":

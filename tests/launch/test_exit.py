@@ -53,3 +53,15 @@ def test_other_commands_and_python_callers_end_as_usual():
         assert done.returncode == 2, done.stdout + done.stderr
         lines = [line for line in done.stdout.splitlines() if not line.startswith("[hybridrl]")]
         assert lines == ["returned, heap frozen: False", "exit hook ran"], (command, lines)
+
+
+def test_collector_paused_through_start_up_only():
+    code = (
+        "import gc\nfrom hybridrl.trainer import startup\n"
+        "startup.pause_collection(); print(gc.isenabled())\n"
+        "startup.start_training(); print(gc.isenabled(), gc.get_freeze_count() > 0)\n"
+        "gc.disable(); startup.start_training(); print(gc.isenabled())\n"  # not paused by startup: left alone
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert done.stdout.split("\n")[:3] == ["False", "True True", "False"], done.stdout + done.stderr
