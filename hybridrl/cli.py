@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import hybridrl
 from hybridrl.errors import InputError, is_peer_failure, report_input_error, report_peer_failure
+from hybridrl.trainer import startup
 
 USAGE = """hybridrl <command> [args]
 
@@ -248,7 +249,10 @@ COMMANDS = {"validate-config": cmd_validate_config, "export": cmd_export, "train
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command, through :func:`funnel`."""
+    """Run one command, through :func:`funnel`. ``argv`` None: this process's own command line (``hybridrl ...``,
+    ``python -m hybridrl ...``), whose launched commands also pause the garbage collector through start-up and end
+    the process quickly (:mod:`hybridrl.trainer.startup`); a list: a call from Python, which leaves both alone."""
+    launched = argv is None and len(sys.argv) > 1 and sys.argv[1] in ("train", "export", *RECIPE_COMMANDS)
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
@@ -260,11 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"unknown command {command!r}; run 'hybridrl --help' for the list", file=sys.stderr)
         return 2
+    if launched:
+        startup.pause_collection()  # until training starts (hybridrl.trainer.startup)
     if command in ("train", "export", *RECIPE_COMMANDS) or "--inputs" in rest:  # --inputs: Megatron opens model folders
         from hybridrl import console
 
         console.install()  # before Megatron / vLLM load: their known-harmless warnings stay off the console
-    return funnel(lambda: COMMANDS[command](rest))
+    code = funnel(lambda: COMMANDS[command](rest))
+    if launched:
+        startup.finish_quickly()
+    return code
 
 
 def funnel(command: Callable[[], int | None]) -> int:

@@ -13,7 +13,9 @@ patches, each of which is listed in docs/cpu_stack.md ("Megatron-Core on CPU"):
 6. ``Tensor.cuda()`` is the identity inside ``LanguageModule.setup_embeddings_and_output_layer`` (tied
    embeddings with PP > 1 all-reduce the last stage's copy after ``weight.data.cuda()``);
 7. the model config settings that only work on CPU: :func:`cpu_config_overrides`;
-8. (without TransformerEngine, CPU or GPU) the name MoE routing reads: :func:`define_missing_te_names`.
+8. (without TransformerEngine, CPU or GPU) the name MoE routing reads: :func:`define_missing_te_names`;
+9. (vLLM on CPU, applied by the rollout engine) vLLM's sampler counts token ranks eagerly:
+   :func:`eager_vllm_token_ranks`.
 
 :func:`apply` is idempotent and does nothing when CUDA is available, so GPU runs are never patched.
 A test (``tests/test_house_rules.py``) fails if anything outside this module patches torch or megatron.
@@ -191,6 +193,25 @@ def define_missing_te_names() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``(x >= values).sum(-1)``: per row of ``x`` ``(n, vocab)``, the entries at or above ``values`` ``(n, 1)``."""
+    return (x >= values).sum(-1)
+
+
+def eager_vllm_token_ranks(sampler_module: types.ModuleType) -> None:
+    """Make vLLM's sampler (``sampler_module``: ``vllm.v1.sample.sampler``, passed in by the rollout engine, the
+    one package that imports vLLM) count token ranks with eager torch.
+
+    The real behaviour: vllm 0.32's sampler computes each sampled token's rank (how many vocabulary entries have a
+    log-prob at least the token's) with ``batched_count_greater_than``, a ``torch.compile``d one-liner. On CPU its
+    first call, in every process, costs a TorchInductor compilation: instruction-set probes that build C++ programs,
+    a generated kernel built or loaded, and a pool of compile worker processes (seconds of wall and CPU time per
+    rank, more than a tiny model's whole engine start). The count is an integer sum of a comparison, exact either
+    way; the eager form allocates one ``(n, vocab)`` bool tensor, which a CPU run affords.
+    """
+    sampler_module.batched_count_greater_than = _count_at_least
 
 
 def cpu_config_overrides() -> dict[str, Any]:

