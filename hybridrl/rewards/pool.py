@@ -122,7 +122,8 @@ class ScorerPool:
                     self._lock.notify_all()
                     return self.outcomes
                 deadline = min(self._running.values(), default=None)
-                self._lock.wait(None if deadline is None else max(0.0, deadline - time.monotonic()) + 1e-3)
+                # calls queued but not started yet wake us when they start; the bound is a second guard
+                self._lock.wait(self.timeout_s if deadline is None else max(0.0, deadline - time.monotonic()) + 1e-3)
 
     # ---- internals (under self._lock) ---------------------------------------------------------------------
 
@@ -147,6 +148,7 @@ class ScorerPool:
                 key, call = self._pending.popleft()
                 deadline = time.monotonic() + self.timeout_s
                 self._running[key] = deadline
+                self._lock.notify_all()  # a wait() with no call running yet now has a deadline to wake at
             outcome = _scorer_call(call, (BaseException,))  # in a thread, nothing a scorer raises may escape
             with self._lock:
                 if key not in self._running:  # given up on by poll(): this thread was replaced

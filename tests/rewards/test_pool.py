@@ -56,3 +56,18 @@ def test_without_timeout_calls_run_inline_at_submit():
     assert pool.outcomes == {"a": (OK, 1)} and where == [threading.current_thread()]
     pool.submit("b", lambda: 1 / 0)
     assert pool.wait()["b"][0] == ERROR
+
+
+def test_wait_gives_up_at_the_timeout_when_every_call_hangs():
+    """wait() may start before any thread took a call (no deadline to sleep to yet): it must still wake at the
+    deadline of the call a thread then takes, not when the hung call returns."""
+    for _ in range(20):  # the race between wait() and a thread taking the call goes both ways; try it often
+        pool, release, result = ScorerPool(timeout_s=0.05, max_workers=1), threading.Event(), []
+        pool.submit(0, lambda release=release: release.wait(60.0))
+        waiter = threading.Thread(target=lambda pool=pool: result.append(pool.wait()), daemon=True)
+        waiter.start()
+        waiter.join(30.0)
+        returned_first = not release.is_set() and bool(result)
+        release.set()
+        assert returned_first, "wait() waited for the hung call instead of giving up at its timeout"
+        assert result[0] == {0: (TIMEOUT, None)}
