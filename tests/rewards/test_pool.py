@@ -64,7 +64,7 @@ def test_wait_gives_up_at_the_timeout_when_every_call_hangs():
     for _ in range(20):  # the race between wait() and a thread taking the call goes both ways; try it often
         pool, release, result = ScorerPool(timeout_s=0.05, max_workers=1), threading.Event(), []
         pool.submit(0, lambda release=release: release.wait(60.0))
-        waiter = threading.Thread(target=lambda pool=pool: result.append(pool.wait()), daemon=True)
+        waiter = threading.Thread(target=lambda pool=pool, result=result: result.append(pool.wait()), daemon=True)
         waiter.start()
         waiter.join(30.0)
         returned_first = not release.is_set() and bool(result)

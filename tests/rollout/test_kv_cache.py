@@ -129,7 +129,7 @@ def test_one_block_short_preempts_and_a_set_size_beats_the_env_var(monkeypatch):
     assert engine.kv_cache.source == "rollout.cpu_kv_cache_gib" and _allocated(engine)[0] == short
     assert os.environ[kv.ENV] == "1"  # hidden from vLLM only while it started
     _, preempted = _rollout(engine)
-    assert preempted > 0
+    assert preempted > 0  # (a preempted request's later tokens differ from an unpreempted run's: docs/vllm.md)
     _close(engine)
 
 
@@ -165,3 +165,21 @@ def test_sequences_follow_the_batch_layout_and_validation():
     assert _cfg(*val).rollout.kv_cache_sequences == 64  # a larger validation batch
     assert _cfg(val[0]).rollout.kv_cache_sequences == 256  # the whole validation set: vLLM's cap
     assert _cfg(*val, "rollout.max_num_seqs=16").rollout.kv_cache_sequences == 16
+
+
+def test_auto_size_is_capped_at_1gib_and_errors_are_input_errors():
+    """A count of hundreds of full-length sequences of a 7B-class model (GQA, bf16) would zero-fill tens of GiB:
+    the auto size stops at 1 GiB; a single sequence larger than that still gets one sequence."""
+    from hybridrl.errors import InputError, kind_of
+
+    llama7b = kv.KVShape(layers=32, kv_heads=8, head_dim=128, dtype_bytes=2)  # 128 KiB per token
+    assert 256 * 4096 * llama7b.token_bytes == 128 * kv.GIB  # what the uncapped count would take
+    assert kv.auto_bytes(llama7b, 256, 4096) == kv.CAP_BYTES
+    one = llama7b.blocks_for(1, 16384) * llama7b.block_bytes(128)  # 2 GiB + a block: past the cap
+    assert kv.auto_bytes(llama7b, 256, 16384) == one
+    small = kv.KVShape(layers=4, kv_heads=4, head_dim=64, dtype_bytes=4)
+    blocks = small.blocks_for(64, 512)
+    blocks += max(1, -(-blocks // 10))
+    assert kv.auto_bytes(small, 64, 512) == max(blocks * small.block_bytes(128), kv.FLOOR_BYTES)  # under the cap
+    err = kv.KVCacheError("rollout.cpu_kv_cache_gib (-1) must be positive", "rollout.cpu_kv_cache_gib")
+    assert isinstance(err, InputError) and kind_of(err) == "config"  # printed as one line by the funnel
