@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"unknown command {command!r}; run 'hybridrl --help' for the list", file=sys.stderr)
         return 2
-    if launched:
+    if launched and command != "export":  # export never reaches a training loop to turn the collector back on
         startup.pause_collection()  # until training starts (hybridrl.trainer.startup)
     if command in ("train", "export", *RECIPE_COMMANDS) or "--inputs" in rest:  # --inputs: Megatron opens model folders
         from hybridrl import console

@@ -180,6 +180,10 @@ class TorchOptimizer(_Checkpointable):
         fused = fused_adamw(self.params)  # the loaded groups carry the saving run's choice: keep this run's
         for group in self.optimizer.param_groups:
             group["fused"], group["foreach"] = fused, None
+            for p in group["params"] if fused else ():  # torch placed "step" by the saved flag: fused reads it
+                step = self.optimizer.state.get(p, {}).get("step")  # on the param's device, as float32
+                if isinstance(step, torch.Tensor):
+                    self.optimizer.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
 
     def zero_grad(self) -> None:
         """Drop the accumulated gradients (before the next :func:`~hybridrl.mcore.compute.forward_backward`)."""

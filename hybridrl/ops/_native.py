@@ -36,7 +36,7 @@ def build_name(csrc: Path, with_cuda: bool) -> str:
     """The cached JIT build's name: one per checkout (``csrc`` folder). torch keys a cached build by its name and
     rebuilds it whenever the build's arguments change, the include path (this checkout's ``csrc/``) among them:
     checkouts sharing one cache under a single name would rebuild each other's build at every switch."""
-    digest = hashlib.sha1(str(csrc.resolve()).encode()).hexdigest()[:8]
+    digest = hashlib.sha1(str(csrc.resolve()).encode(), usedforsecurity=False).hexdigest()[:8]
     return f"hybridrl_reshard{'_cuda' if with_cuda else ''}_{digest}"
 
 

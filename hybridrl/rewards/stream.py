@@ -131,8 +131,13 @@ class StreamSession:
         """
         got = actor.streamed_rewards(self.prompts, self)
         written = batch.batch["attention_mask"][:, -batch.batch["responses"].shape[1] :].sum(-1)
-        if len(got) != len(batch) or not torch.equal(got.batch["stream_length"].cpu(), written.cpu()):
-            raise RuntimeError(f"reward stream: {len(got)} scored rows do not match the batch's {len(batch)} responses")
+        if len(got) != len(batch):
+            raise RuntimeError(f"reward stream: {len(got)} scored rows for the batch's {len(batch)} responses")
+        lengths = got.batch["stream_length"].cpu()
+        if not torch.equal(lengths, written.cpu()):
+            row = int((lengths != written.cpu()).nonzero()[0])
+            raise RuntimeError(f"reward stream: row {row} was scored at {int(lengths[row])} response tokens but the "
+                               f"batch holds {int(written[row])}")  # fmt: skip
         b = got.batch
         rows = [
             (float(s), _STATUS[int(k)], str(msg))

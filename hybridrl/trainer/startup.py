@@ -1,13 +1,13 @@
 """A launched process's garbage collector: paused through start-up, frozen when training starts, idle at exit.
 
-Start-up (``hybridrl train`` / ``sft`` / ``dpo`` / ``export`` under torchrun) imports torch, Megatron, vLLM and
-transformers and builds the models: millions of objects that live as long as the process and hardly any garbage.
-Python's collector meanwhile runs about fourteen full passes over that growing heap, seconds of CPU per rank, and
-the interpreter's exit runs more. So :func:`pause_collection` (the command line, before the imports) turns the
-automatic collections off, :func:`start_training` (the trainers, before their first step) freezes what start-up
-built, which the passes then skip, and turns them back on, and :func:`finish_quickly` (the command line, after
-the command) runs the exit hooks and leaves the heap frozen for the interpreter's teardown. Explicit
-``gc.collect()`` calls (vLLM's start-up makes five) still run throughout.
+Start-up (``hybridrl train`` / ``sft`` / ``dpo`` under torchrun) imports torch, Megatron, vLLM and transformers
+and builds the models: millions of objects that live as long as the process and hardly any garbage. Python's
+collector meanwhile runs about fourteen full passes over that growing heap, seconds of CPU per rank, and the
+interpreter's exit runs more. So :func:`pause_collection` (the command line, before the imports) turns the
+automatic collections off, :func:`start_training` (the trainers, before their first step) collects once, freezes
+what start-up built, which the passes then skip, and turns them back on, and :func:`finish_quickly` (the command
+line, after the command, ``export`` too) runs the exit hooks and leaves the heap frozen for the interpreter's
+teardown. Explicit ``gc.collect()`` calls (vLLM's start-up makes five) still run throughout.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import gc
 import sys
+import threading
 
 _paused = False
 
@@ -32,6 +33,7 @@ def start_training() -> None:
     turned them off (a trainer built in a notebook or a test is left alone)."""
     global _paused
     if _paused:
+        gc.collect()  # one pass for start-up's cycles, so the frozen heap keeps no garbage for the whole run
         gc.freeze()
         gc.enable()
         _paused = False
@@ -44,10 +46,14 @@ def finish_quickly() -> None:
     collects it), then tears its modules down with more full collections, each a pass over every object that
     torch, Megatron, vLLM and the models hold: seconds of CPU per rank, every launch. Run here, the hooks do their
     work in full, once, except their collections, which would free nothing that the end of the process does not.
-    With the heap frozen the teardown skips it: objects still referenced at exit are left to the operating
-    system, as in a process that ends with ``os._exit`` (what multiprocessing's children do), while the C-level
-    exit handlers still run. Everything a run writes is closed by then (metrics, checkpoints, logs).
+    As at a normal exit, the process's other (non-daemon) threads are joined first. With the heap frozen the
+    teardown's collections skip it: objects kept alive only by reference cycles are left to the operating system
+    (objects freed by reference counting are still freed), while the C-level exit handlers still run. Everything a
+    run writes is closed by then (metrics, checkpoints, logs).
     """
+    for thread in threading.enumerate():  # what the interpreter's exit does first: its threads finish their work
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     sys.stdout.flush()
     sys.stderr.flush()
     collect = gc.collect
