@@ -14,7 +14,7 @@ gathers every replica's scores, so that every rank ends with the whole batch's, 
 The rows are then summed up as a batch is (:meth:`~hybridrl.rewards.manager.RewardManager.summarize`): the same
 scores, ``reward/errors`` / ``reward/timeouts``, warning and running totals. A response's text is decoded from
 exactly the tokens the batch holds, so the scores are the batch path's. Extra metric:
-``reward/scored_during_generation``, the fraction of responses whose score was done before generation ended.
+``perf/reward_scored_during_generation``, the fraction of responses whose score was done before generation ended.
 
 Applies to rule-based and custom scorers called row by row (:func:`~hybridrl.config.checks_overlap.overlap_enabled`);
 a reward model, or a ``RewardManager`` subclass with its own ``__call__`` (it may need the whole batch), keeps
@@ -146,5 +146,5 @@ class StreamSession:
             )
         ]
         result = self.stream.manager.summarize(batch, rows, response_mask)
-        result.metrics["reward/scored_during_generation"] = float(b["stream_early"].float().mean())
+        result.metrics["perf/reward_scored_during_generation"] = float(b["stream_early"].float().mean())
         return result

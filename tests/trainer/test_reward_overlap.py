@@ -88,9 +88,9 @@ def _body(rank: int, world: int, root: str, overrides: list[str]) -> dict:
         "shard_lengths": sorted(set(shard.tolist())),
         "inline_same": torch.equal(inline.batch["responses"], off.batch["responses"]),
         "inline_max_unfinished": max(inline_unfinished),
-        "step": {k: step.get(k) for k in ("reward/scored_during_generation", "timing_s/reward", "reward/errors")},
-        "during": on_m["reward/scored_during_generation"],
-        "off_has_metric": "reward/scored_during_generation" in off_m,
+        "step": {k: step.get(k) for k in ("perf/reward_scored_during_generation", "timing_s/reward", "reward/errors")},
+        "during": on_m["perf/reward_scored_during_generation"],
+        "off_has_metric": "perf/reward_scored_during_generation" in off_m,
     }
 
 
@@ -107,5 +107,5 @@ def test_overlap_matches_the_batch_path(tmp_path, overrides):
         assert r["inline_same"] and r["inline_max_unfinished"] > 0, r  # scored while the engine had more to finish
         # with the scorer threads, how many calls start before generation ends depends on scheduling: not asserted
         assert 0 <= r["during"] <= 1 and not r["off_has_metric"], r
-        assert r["step"]["reward/scored_during_generation"] is not None and r["step"]["timing_s/reward"] > 0, r
+        assert r["step"]["perf/reward_scored_during_generation"] is not None and r["step"]["timing_s/reward"] > 0, r
     assert out[0]["counts"] == out[1]["counts"] and out[0]["lengths"] == out[1]["lengths"]  # one batch on every rank
