@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import gc
 import sys
-import threading
 
 _paused = False
 
@@ -46,14 +45,10 @@ def finish_quickly() -> None:
     collects it), then tears its modules down with more full collections, each a pass over every object that
     torch, Megatron, vLLM and the models hold: seconds of CPU per rank, every launch. Run here, the hooks do their
     work in full, once, except their collections, which would free nothing that the end of the process does not.
-    As at a normal exit, the process's other (non-daemon) threads are joined first. With the heap frozen the
-    teardown's collections skip it: objects kept alive only by reference cycles are left to the operating system
-    (objects freed by reference counting are still freed), while the C-level exit handlers still run. Everything a
-    run writes is closed by then (metrics, checkpoints, logs).
+    With the heap frozen the teardown's collections skip it: objects kept alive only by reference cycles are
+    left to the operating system (objects freed by reference counting are still freed), while the C-level exit
+    handlers still run. Everything a run writes is closed by then (metrics, checkpoints, logs).
     """
-    for thread in threading.enumerate():  # what the interpreter's exit does first: its threads finish their work
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
     sys.stdout.flush()
     sys.stderr.flush()
     collect = gc.collect
