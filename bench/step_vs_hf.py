@@ -15,9 +15,10 @@ PPO clip loss, one optimizer step per rollout, AdamW lr 1e-5, grad clip 1.0, fp3
 
 Both run as subprocesses of this script, alternated (HF first in odd rounds, hybridrl first in even ones), with
 ``--steps`` steps each; step 1 is a warm-up and is dropped. Per stage: seconds per step and hybridrl / HF; for the
-step: tokens/s (prompt + response tokens / step time) and its ratio; peak memory: the largest sum of RSS over the
-side's process tree (sampled every 0.2 s; hybridrl's includes vLLM's zero-filled KV cache per engine, sized to the
-rollout unless ``VLLM_CPU_KVCACHE_SPACE`` or ``rollout.cpu_kv_cache_gib`` says otherwise, and the launcher).
+step: tokens/s (prompt + response tokens / step time) and its ratio; peak memory: the largest sum of RSS and of PSS
+(shared pages counted once) over the side's process tree, sampled every 0.2 s. hybridrl's includes vLLM's
+zero-filled KV cache per engine (sized to the rollout unless ``VLLM_CPU_KVCACHE_SPACE`` or
+``rollout.cpu_kv_cache_gib`` says otherwise) and the launcher.
 
     python bench/step_vs_hf.py [--model tiny|small|both] [--response-length 32] [--steps 3] [--rounds 1]
     python bench/step_vs_hf.py --profile [--model small]   # where hybridrl's passes spend their time (in-process)
@@ -181,11 +182,15 @@ def hf_worker(spec: dict) -> None:
 
 
 # ---- running the two sides -----------------------------------------------------------------------------------
-def _run(cmd: list[str], env: dict, log: str) -> tuple[float, float]:
-    """Run ``cmd``; (wall seconds, peak summed RSS GiB of its process tree). Exits on failure."""
+def _run(cmd: list[str], env: dict, log: str) -> tuple[float, float, float]:
+    """Run ``cmd``; (wall seconds, peak summed RSS GiB, peak summed PSS GiB of its process tree). Exits on failure.
+
+    RSS counts a page shared by n processes (libtorch's code, the files they map) n times; PSS counts 1/n of it
+    in each, so the summed PSS is the memory the tree really holds. For one process the two differ only by pages
+    shared with processes outside the tree."""
     import psutil
 
-    peak = [0.0]
+    peak = [0.0, 0.0]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         start = time.perf_counter()
@@ -195,7 +200,9 @@ def _run(cmd: list[str], env: dict, log: str) -> tuple[float, float]:
             while proc.poll() is None:
                 try:
                     tree = [root, *root.children(recursive=True)]
-                    peak[0] = max(peak[0], sum(p.memory_info().rss for p in tree if p.is_running()) / 2**30)
+                    infos = [p.memory_full_info() for p in tree if p.is_running()]
+                    peak[0] = max(peak[0], sum(i.rss for i in infos) / 2**30)
+                    peak[1] = max(peak[1], sum(i.pss for i in infos) / 2**30)
                 except psutil.Error:
                     pass
                 time.sleep(0.2)
@@ -207,7 +214,7 @@ def _run(cmd: list[str], env: dict, log: str) -> tuple[float, float]:
     if proc.returncode:
         with open(log) as f:
             sys.exit(f"failed (rc {proc.returncode}): {' '.join(cmd)}\n{f.read()[-5000:]}")
-    return time.perf_counter() - start, peak[0]
+    return time.perf_counter() - start, peak[0], peak[1]
 
 
 def run_hf(paths: dict, args, work: str, threads: int) -> dict:
@@ -217,9 +224,9 @@ def run_hf(paths: dict, args, work: str, threads: int) -> dict:
         json.dump(spec, f)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     cmd = [sys.executable, os.path.abspath(__file__), "--hf-worker", os.path.join(work, "hf_spec.json")]
-    wall, peak = _run(cmd, env, os.path.join(work, "hf.log"))
+    wall, peak, pss = _run(cmd, env, os.path.join(work, "hf.log"))
     with open(spec["out"]) as f:
-        return {"records": json.load(f), "peak_gb": peak, "wall": wall}
+        return {"records": json.load(f), "peak_gb": peak, "pss_gb": pss, "wall": wall}
 
 
 def run_trl(paths: dict, args, work: str, threads: int) -> dict:
@@ -232,10 +239,10 @@ def run_trl(paths: dict, args, work: str, threads: int) -> dict:
     site = os.path.abspath(args.trl_site)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join([site, ROOT])}
     cmd = [sys.executable, os.path.abspath(__file__), "--trl-worker", os.path.join(work, "trl_spec.json")]
-    wall, peak = _run(cmd, env, os.path.join(work, "trl.log"))
+    wall, peak, pss = _run(cmd, env, os.path.join(work, "trl.log"))
     with open(spec["out"]) as f:
         out = json.load(f)
-    return {"records": out["records"], "settings": out["settings"], "peak_gb": peak, "wall": wall}
+    return {"records": out["records"], "settings": out["settings"], "peak_gb": peak, "pss_gb": pss, "wall": wall}
 
 
 def run_hybridrl(paths: dict, args, work: str, nproc: int, threads: int) -> dict:
@@ -262,10 +269,10 @@ def run_hybridrl(paths: dict, args, work: str, nproc: int, threads: int) -> dict
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m", "hybridrl", "train", "tiny_cpu_grpo.yaml"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    wall, peak = _run(cmd + overrides, env, os.path.join(work, "hybridrl.log"))
+    wall, peak, pss = _run(cmd + overrides, env, os.path.join(work, "hybridrl.log"))
     with open(os.path.join(out, "logs", "metrics.jsonl")) as f:
         records = [r for r in map(json.loads, f) if "timing_s/step" in r]
-    return {"records": records, "peak_gb": peak, "wall": wall}
+    return {"records": records, "peak_gb": peak, "pss_gb": pss, "wall": wall}
 
 
 def _mean(records: list[dict], key: str) -> float | None:
@@ -325,8 +332,9 @@ def table(sides: dict[str, dict], model: str, peak: float) -> list[str]:
     lines.append(f"{'ceiling':14s}" + " " * 10 * len(sides)
                  + "".join(f" {tokens['hybridrl'] / floor / tps[k]:8.2f}x" for k in bases)
                  + "   (hybridrl's step FLOPs at 100% of the peak, no other cost)")  # fmt: skip
-    lines.append(f"{'peak RSS GiB':14s}" + "".join(f" {r['peak_gb']:9.2f}" for r in sides.values())
-                 + "".join(f" {hyb['peak_gb'] / sides[k]['peak_gb']:8.2f}x" for k in bases))  # fmt: skip
+    for label, key in (("peak RSS GiB", "peak_gb"), ("peak PSS GiB", "pss_gb")):
+        lines.append(f"{label:14s}" + "".join(f" {r[key]:9.2f}" for r in sides.values())
+                     + "".join(f" {hyb[key] / sides[k][key]:8.2f}x" for k in bases))  # fmt: skip
     if "trl" in sides:
         lines.append(f"(TRL settings: {sides['trl']['settings']})")
     return lines
