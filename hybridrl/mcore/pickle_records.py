@@ -94,8 +94,12 @@ def read_records(data: bytes, persistent_ids: bool = False) -> Any:
     stack: list[Any] = []
     memo: dict[int, Any] = {}
 
+    marks: list[int] = []  # stack positions of the open MARKs, innermost last
+
     def pop_mark() -> list[Any]:
-        i = max(j for j, v in enumerate(stack) if isinstance(v, _Mark))
+        i = marks.pop()
+        if not isinstance(stack[i], _Mark):
+            raise OutsideSubsetError("a MARK consumed by an opcode that does not take one")
         items = stack[i + 1 :]
         del stack[i:]
         return items
@@ -118,6 +122,7 @@ def read_records(data: bytes, persistent_ids: bool = False) -> Any:
         elif name in _CONSTANTS:
             stack.append(_CONSTANTS[name])
         elif name == "MARK":
+            marks.append(len(stack))
             stack.append(_Mark())
         elif name in ("EMPTY_DICT", "EMPTY_LIST", "EMPTY_SET"):
             stack.append({"EMPTY_DICT": dict, "EMPTY_LIST": list, "EMPTY_SET": set}[name]())

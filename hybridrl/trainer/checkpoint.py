@@ -338,6 +338,7 @@ class CheckpointManager:
                 problems.append(("corrupt", problem))
         except ValueError as err:
             problems.append(("corrupt", str(err)))
+        n_manifest = len(problems)
         try:
             self._check_folders(path)
             read = self._read(path)
@@ -349,7 +350,9 @@ class CheckpointManager:
             problems.append(("corrupt", str(err)))
         except (OSError, ValueError, KeyError, TypeError) as err:  # a file missing, a field missing or mistyped
             problems.append(("corrupt", f"{path} cannot be read ({type(err).__name__}: {err})"))
-        verdicts = [p for ranks in gather(problems) for p in ranks]
+        # a rank's manifest finding (sizes, hashes) names the damage better than another rank's parse error of it
+        gathered = gather((n_manifest, problems))
+        verdicts = [p for n, found in gathered for p in found[:n]] + [p for n, found in gathered for p in found[n:]]
         return next((p for p in verdicts if p[0] == "unsafe"), verdicts[0] if verdicts else None), read
 
     def _check_folders(self, path: str) -> None:
