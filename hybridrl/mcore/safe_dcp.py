@@ -102,6 +102,24 @@ METADATA_HANDLERS = {
 """Everything a DCP ``.metadata`` may build (besides containers and dtypes): torch 2.x writes nothing else."""
 
 
+_CHECKED: dict[str, tuple[tuple, dcp_md.Metadata]] = {}  # path -> (its stat, the metadata its check built)
+
+
+def _stat_key(path: str) -> tuple:
+    st = os.stat(path)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _checked_metadata(path: str) -> dcp_md.Metadata | None:
+    """The metadata :func:`check_torch_dcp` built from ``path``, once, if the file is unchanged since: the load
+    then uses exactly what was checked, and a large index is not parsed twice."""
+    found = _CHECKED.pop(os.path.normpath(path), None)
+    try:
+        return found[1] if found is not None and found[0] == _stat_key(path) else None
+    except OSError:
+        return None
+
+
 def read_dcp_metadata(path: str) -> dcp_md.Metadata:
     """The :class:`~torch.distributed.checkpoint.metadata.Metadata` pickled in ``path``, built without an
     unpickler (see the module docs).
@@ -158,7 +176,8 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_md.Metadata:
         try:
-            metadata = read_dcp_metadata(str(self._get_metadata_path(kwargs.get("rank"))))
+            path = str(self._get_metadata_path(kwargs.get("rank")))
+            metadata = _checked_metadata(path) or read_dcp_metadata(path)
         except (UnsafeCheckpointError, CorruptCheckpointError) as err:
             self.failure = self.failure or err
             raise
@@ -232,18 +251,22 @@ def check_torch_dcp(folder: str) -> None:
         UnsafeCheckpointError: a global or opcode outside the allow-lists; the message names the file.
         CorruptCheckpointError: a file is missing or cannot be parsed.
     """
-    metadata = read_dcp_metadata(os.path.join(folder, ".metadata"))
+    path = os.path.join(folder, ".metadata")
+    stat, metadata = _stat_key(path) if os.path.exists(path) else None, read_dcp_metadata(path)
     per_file: dict[str, list] = {}
     for index, info in metadata.storage_data.items():
         per_file.setdefault(_shard_path(folder, info, index.fqn), []).append((index.fqn, info))
-    for path, items in per_file.items():
+    for shard, items in per_file.items():
         try:
-            f = open(path, "rb")  # noqa: SIM115 (closed below; a missing shard is named as corrupt)
+            f = open(shard, "rb")  # noqa: SIM115 (closed below; a missing shard is named as corrupt)
         except OSError as err:
-            raise corrupt(path, err) from None
+            raise corrupt(shard, err) from None
         with f:
             for fqn, info in items:
-                load_torch_window(f, info.offset, info.length, path, what=f"in its item {fqn} ", read=False)
+                load_torch_window(f, info.offset, info.length, shard, what=f"in its item {fqn} ", read=False)
+    if len(_CHECKED) > 16:  # folders checked and never loaded (another rank's coordinator role)
+        _CHECKED.pop(next(iter(_CHECKED)))
+    _CHECKED[os.path.normpath(path)] = (stat, metadata)
 
 
 def check_dist_checkpoint(folder: str) -> None:
