@@ -13,8 +13,10 @@ the same ranks it resumes bit-exactly.
 :func:`export_role` writes a saved critic as an HF ``*ForSequenceClassification`` folder (``num_labels=1``), the
 format the Megatron critic reads and writes (``score.weight`` = the value head), on one process.
 
-Nothing is unpickled in full: ``.metadata`` (the one pickle DCP writes) and every non-tensor item of the shards
-pass :func:`hybridrl.mcore.checkpoint_safety.check_torch_dcp` before DCP reads them (:func:`check_role`).
+Nothing is unpickled (:mod:`hybridrl.mcore.checkpoint_safety`): DCP reads the folder through
+:class:`hybridrl.mcore.safe_dcp.SafeFileSystemReader` (``.metadata`` built from an allow-list of torch's metadata
+classes, every item of the shards read as tensors or plain data), after every rank passed it through
+:func:`~hybridrl.mcore.safe_dcp.check_torch_dcp` (:func:`check_role`); the export reads it the same way, in memory.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from hybridrl.mcore.checkpoint_safety import CorruptCheckpointError, check_torch_dcp, load_weights_only
+from hybridrl.mcore.checkpoint_safety import CorruptCheckpointError
+from hybridrl.mcore.safe_dcp import SafeFileSystemReader, check_torch_dcp, load_full_state, readers_errors
 
 BACKEND = "fsdp"
 
@@ -86,7 +89,9 @@ def load_role(model: torch.nn.Module, optimizer: Any, path: str) -> None:
     """Fill the model (+ optimizer and its update count) from ``path``, on any number of ranks. Collective."""
     check_role(path)
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=os.path.join(path, "state"))
+    reader = SafeFileSystemReader(os.path.join(path, "state"))
+    with readers_errors(reader):
+        dcp.load(state, storage_reader=reader)
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -100,17 +105,12 @@ def export_role(role_dir: str, out_dir: str) -> None:
     """Write the FSDP critic saved in ``role_dir`` as an HF ``*ForSequenceClassification`` folder ``out_dir``
     (config.json + model.safetensors; the backbone under the class's base-model prefix, the head as
     ``score.weight``). One process, no process group: DCP's shards are read whole (checked first)."""
-    import tempfile
-
     import transformers
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as NAMES
 
     check_role(role_dir)
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(os.path.join(role_dir, "state"), os.path.join(tmp, "full.pt"))
-        model = load_weights_only(os.path.join(tmp, "full.pt"))["model"]
+    model = load_full_state(os.path.join(role_dir, "state"))["model"]
     if "head.weight" not in model or model["head.weight"].shape[0] != 1:
         raise CorruptCheckpointError(f"{role_dir} holds no value head (head.weight of shape [1, h]): not a critic")
     config = transformers.AutoConfig.from_pretrained(role_dir)

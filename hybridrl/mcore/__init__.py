@@ -12,6 +12,10 @@
 - ``compute``: forward/backward and forward-only log-probs / values through Megatron's pipeline schedules
 - ``optimizer`` / ``lr_schedule``: Megatron DDP + DistributedOptimizer on GPU; AdamW + bucketed DP
   all-reduce + TP-aware clipping on CPU; warmup/decay schedules
+- ``checkpoint``: a role's training checkpoint (model, optimizer, LR position, RNG states)
+- ``checkpoint_safety`` / ``torch_file`` / ``safe_dcp`` / ``safe_load`` / ``pickle_records``: checkpoints read
+  without an unpickler (``torch.save`` files, DCP folders, Megatron's ``dist_checkpointing.load``); the FSDP
+  backend uses the torch-only ones
 
 Import the submodules directly; this package does not import megatron on its own.
 """

@@ -4,7 +4,7 @@ Owns the Megatron half of a checkpoint folder (``hybridrl.trainer.checkpoint`` o
 
     <role>/model/             megatron.core.dist_checkpointing of every chunk's ``sharded_state_dict``
     <role>/optim_rank{r}.pt   CPU path (TorchOptimizer): rank r's ``torch.optim`` state + the layout it belongs to
-                              (tensors, numbers and containers only: read back weights-only)
+                              (``torch.save``: tensors, numbers and containers only, read without unpickling)
     <role>/optim/             GPU path (MegatronOptimizer): Megatron's sharded optimizer state (dist_checkpointing)
     <role>/lr.json            updates applied (the LR schedule is a pure function of it, lr_schedule.py)
     <role>/config.json        the role's HF config (what ``hybridrl export`` builds the model from)
@@ -23,9 +23,10 @@ weights load exactly and the LR schedule continues from the saved update count. 
 (DistributedOptimizer) saves Megatron's own sharded optimizer state, which Megatron reshards across layouts;
 that branch needs CUDA and is not exercised by the CPU tests.
 
-Nothing here unpickles in full: ``.pt`` files load weights-only, RNG states are safetensors + JSON
-(:func:`save_rng_state`), and every ``torch_dist`` folder passes
-:func:`hybridrl.mcore.checkpoint_safety.check_dist_checkpoint` before Megatron reads it.
+Nothing here unpickles (:mod:`hybridrl.mcore.checkpoint_safety`): ``.pt`` files are read by
+:func:`hybridrl.mcore.torch_file.load_torch_file`, RNG states are safetensors + JSON (:func:`save_rng_state`), and
+Megatron reads every ``torch_dist`` folder through the strategies of :mod:`hybridrl.mcore.safe_load`, after it
+passed :func:`hybridrl.mcore.safe_dcp.check_dist_checkpoint` on every rank.
 """
 
 from __future__ import annotations
@@ -46,15 +47,12 @@ from megatron.core.tensor_parallel import random as mrandom
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hybridrl.mcore import gpt, hf_config, lora
-from hybridrl.mcore.checkpoint_safety import (
-    CorruptCheckpointError,
-    check_dist_checkpoint,
-    check_weights_only,
-    load_weights_only,
-)
+from hybridrl.mcore import gpt, hf_config, lora, safe_load
+from hybridrl.mcore.checkpoint_safety import CorruptCheckpointError
 from hybridrl.mcore.optimizer import MegatronOptimizer
 from hybridrl.mcore.roles import RoleModel, score_model_chunks
+from hybridrl.mcore.safe_dcp import check_dist_checkpoint
+from hybridrl.mcore.torch_file import check_torch_file, load_torch_file
 
 LORA_FILE = "lora.json"
 """``<role>/lora.json``: the LoRA settings of an adapted model (:func:`hybridrl.mcore.lora.apply_config`)."""
@@ -108,7 +106,7 @@ def load_model(chunks: list[torch.nn.Module], path: str) -> None:
         UnsafeCheckpointError / CorruptCheckpointError: ``path`` fails :func:`check_dist_checkpoint`.
     """
     check_dist_checkpoint(path)
-    loaded = dist_checkpointing.load(_model_sharded_state_dict(chunks), path)
+    loaded = safe_load.load(_model_sharded_state_dict(chunks), path)
     for i, chunk in enumerate(chunks):
         missing, _ = chunk.load_state_dict(loaded[f"chunk{i}"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -156,12 +154,10 @@ def load_role(model: RoleModel, optimizer: Any, path: str) -> bool:
     if isinstance(optimizer, MegatronOptimizer):
         check_dist_checkpoint(os.path.join(path, "optim"))
         sd = optimizer.optimizer.sharded_state_dict(_model_sharded_state_dict(model.chunks), is_loading=True)
-        optimizer.optimizer.load_state_dict(
-            dist_checkpointing.load({"optimizer": sd}, os.path.join(path, "optim"))["optimizer"]
-        )
+        optimizer.optimizer.load_state_dict(safe_load.load({"optimizer": sd}, os.path.join(path, "optim"))["optimizer"])
         return True
     file = os.path.join(path, f"optim_rank{dist.get_rank()}.pt")
-    saved = load_weights_only(file) if os.path.isfile(file) else None
+    saved = load_torch_file(file) if os.path.isfile(file) else None
     same = saved is not None and saved["layout"] == layout_signature()
     if not same and dist.get_rank() == 0:
         was = saved["layout"] if saved else "another world size"
@@ -191,7 +187,7 @@ def check_role(path: str) -> None:
         check_dist_checkpoint(os.path.join(path, "optim"))
     file = os.path.join(path, f"optim_rank{dist.get_rank()}.pt")
     if os.path.isfile(file):
-        check_weights_only(file)
+        check_torch_file(file)
 
 
 def build_from_checkpoint(role_dir: str, role: str = "actor", dtype: torch.dtype = torch.float32) -> RoleModel:
@@ -262,15 +258,13 @@ def save_rng_state(path: str) -> None:
 
 def read_rng_state(path: str) -> dict[str, Any]:
     """The states :func:`save_rng_state` wrote, for :func:`set_rng_state`; a ``.pt`` file of an earlier hybridrl
-    (``torch.save(rng_state())``) is read weights-only, with NumPy's array types allowed.
+    (``torch.save(rng_state())``) is read by :func:`load_torch_file` with NumPy arrays allowed.
 
     Raises:
         CorruptCheckpointError: the file cannot be parsed.  UnsafeCheckpointError: a ``.pt`` file holds more.
     """
     if path.endswith(".pt"):
-        rebuild = np.empty(0).__reduce__()[0]  # numpy's array-rebuild function (numpy.core or numpy._core)
-        with torch.serialization.safe_globals([np.ndarray, np.dtype, type(np.dtype(np.uint32)), rebuild]):
-            return load_weights_only(path)
+        return load_torch_file(path, numpy=True)
     try:
         with safe_open(path, framework="pt") as f:
             header = f.metadata() or {}

@@ -1,28 +1,55 @@
 """A pickle read as plain data: the objects it describes become :class:`Record` values, nothing is imported or called.
 
-``torch.distributed.checkpoint`` stores a checkpoint's index (``.metadata``) as a pickle of its dataclasses.
-Unpickling it would import and call whatever the file names; :func:`read_records` instead interprets the opcode
-stream (:mod:`pickletools` parses it) on a stack of its own: a global becomes its ``(module, name)``, an object
-built from it (``NEWOBJ``, ``REDUCE``) a :class:`Record` holding that name, its arguments and the state
-``BUILD`` gives it. Containers, numbers, strings and bytes come out as themselves. Opcodes outside this data
-subset (persistent ids, extension registries, ``INST``/``OBJ``, protocol-0 text forms) are refused.
+``torch.distributed.checkpoint`` stores a checkpoint's index (``.metadata``) as a pickle of its dataclasses, and
+``torch.save`` writes a pickle (``data.pkl``) next to the raw bytes of the tensors' storages. Unpickling either
+would import and call whatever the file names; :func:`read_records` instead interprets the opcode stream
+(:mod:`pickletools` parses it) on a stack of its own: a global becomes a :class:`Global` (its module and name),
+an object built from it (``NEWOBJ``, ``REDUCE``) a :class:`Record` holding that global, its arguments and the
+state ``BUILD`` gives it, and a persistent id (``torch.save``'s reference to a storage, only when asked for) a
+:class:`PersistentId`. Containers, numbers, strings and bytes come out as themselves (``OrderedDict``, ``set``
+and ``frozenset`` too: building those runs nothing but the builtin). Opcodes outside this data subset
+(extension registries, ``INST``/``OBJ``, protocol-0 text forms, stack tricks like ``POP``/``DUP``) raise
+:class:`OutsideSubsetError`. What the records may become is decided by the readers above this module, from
+allow-lists (:mod:`hybridrl.mcore.torch_file`, :mod:`hybridrl.mcore.safe_dcp`).
 """
 
 from __future__ import annotations
 
+import _compat_pickle
+import collections
 import pickletools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class Global(NamedTuple):
+    """A global the pickle names (``GLOBAL`` / ``STACK_GLOBAL``): compares equal to its ``(module, name)`` tuple."""
+
+    module: str
+    name: str
+
+
+class OutsideSubsetError(ValueError):
+    """The pickle uses an opcode this reader does not interpret (nothing torch or DCP writes)."""
+
+
+@dataclass(eq=False)
+class PersistentId:
+    """A ``BINPERSID`` reference: ``torch.save`` points at a storage with ``("storage", type, key, location, n)``."""
+
+    pid: Any
 
 
 @dataclass(eq=False)
 class Record:
     """One object of the pickle: the global it was built from, its constructor arguments and its state."""
 
-    cls: tuple[str, str]
-    """``(module, name)`` of the class or callable."""
+    cls: Global
+    """The class or callable (compares equal to a ``(module, name)`` tuple)."""
     args: tuple = ()
     """The arguments ``NEWOBJ`` / ``REDUCE`` would have passed."""
+    new: bool = False
+    """True for ``NEWOBJ`` (``cls.__new__(cls, *args)``), False for ``REDUCE`` (``cls(*args)``)."""
     state: dict[str, Any] = field(default_factory=dict)
     """Attributes from ``BUILD`` (a ``__dict__``, slots merged in; any other state under :data:`SETSTATE`)."""
 
@@ -46,27 +73,47 @@ _PUSH_ARG = {"BININT", "BININT1", "BININT2", "LONG1", "LONG4", "BINFLOAT", "SHOR
 _CONSTANTS = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}
 _SKIPPED = {"PROTO", "FRAME"}
 # globals that pickle containers: their records are the containers themselves
-_CONTAINERS = {("collections", "OrderedDict"): dict, ("builtins", "set"): set, ("builtins", "frozenset"): set}
+_CONTAINERS = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+}
 
 
-def read_records(data: bytes) -> Any:
+def read_records(data: bytes, persistent_ids: bool = False) -> Any:
     """The value the pickle ``data`` describes, as plain data and :class:`Record` values.
 
+    Args:
+        data: the pickle.
+        persistent_ids: read ``BINPERSID`` as :class:`PersistentId` (``torch.save``'s storages); else refused.
+
     Raises:
-        ValueError: an opcode outside the data subset, or a malformed stream.
+        OutsideSubsetError: an opcode outside the data subset.  ValueError (or IndexError, KeyError, TypeError): a
+            malformed stream.
     """
     stack: list[Any] = []
     memo: dict[int, Any] = {}
 
+    marks: list[int] = []  # stack positions of the open MARKs, innermost last
+
     def pop_mark() -> list[Any]:
-        i = max(j for j, v in enumerate(stack) if isinstance(v, _Mark))
+        i = marks.pop()
+        if not isinstance(stack[i], _Mark):
+            raise OutsideSubsetError("a MARK consumed by an opcode that does not take one")
         items = stack[i + 1 :]
         del stack[i:]
         return items
 
+    protocol = 0
     for op, arg, _ in pickletools.genops(data):
         name = op.name
+        if name == "PROTO":
+            protocol = int(arg)
         if name in _SKIPPED:
+            continue
+        if name == "GLOBAL":  # protocol < 3 names Python 2 modules; the unpickler maps them (fix_imports)
+            module, _, attr = str(arg).partition(" ")
+            stack.append(Global(*_py3_name(module, attr)) if protocol < 3 else Global(module, attr))
             continue
         if name == "STOP":
             return stack.pop()
@@ -75,6 +122,7 @@ def read_records(data: bytes) -> Any:
         elif name in _CONSTANTS:
             stack.append(_CONSTANTS[name])
         elif name == "MARK":
+            marks.append(len(stack))
             stack.append(_Mark())
         elif name in ("EMPTY_DICT", "EMPTY_LIST", "EMPTY_SET"):
             stack.append({"EMPTY_DICT": dict, "EMPTY_LIST": list, "EMPTY_SET": set}[name]())
@@ -89,9 +137,18 @@ def read_records(data: bytes) -> Any:
             stack.append(tuple(pop_mark()))
         elif name == "FROZENSET":
             stack.append(frozenset(pop_mark()))
+        elif name == "BINPERSID" and persistent_ids:
+            stack.append(PersistentId(stack.pop()))
         else:
             _structural(name, arg, stack, memo, pop_mark)
     raise ValueError("the pickle has no STOP opcode")
+
+
+def _py3_name(module: str, name: str) -> tuple[str, str]:
+    """A Python 2 name of a protocol < 3 pickle as the unpickler imports it (``fix_imports``, its default)."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
 
 
 def _structural(name: str, arg: Any, stack: list[Any], memo: dict[int, Any], pop_mark: Any) -> None:
@@ -111,21 +168,25 @@ def _structural(name: str, arg: Any, stack: list[Any], memo: dict[int, Any], pop
     elif name == "ADDITEMS":
         items = pop_mark()
         stack[-1].update(items)
-    elif name == "GLOBAL":
-        module, _, attr = str(arg).partition(" ")
-        stack.append((module, attr))
     elif name == "STACK_GLOBAL":
         module, attr = stack[-2:]
         del stack[-2:]
-        stack.append((str(module), str(attr)))
+        if not (isinstance(module, str) and isinstance(attr, str)):
+            raise OutsideSubsetError("a STACK_GLOBAL whose module and name are not strings")
+        stack.append(Global(module, attr))
     elif name in ("NEWOBJ", "REDUCE"):
         cls, args = stack[-2:]
         del stack[-2:]
-        stack.append(_CONTAINERS[cls]() if cls in _CONTAINERS else Record(cls, tuple(args)))
+        if not isinstance(cls, Global) or not isinstance(args, tuple):
+            raise OutsideSubsetError(f"a {name} of a {type(cls).__name__}, not of a global")
+        if cls in _CONTAINERS:
+            stack.append(_CONTAINERS[cls](*args))  # a builtin container filled with data: runs nothing else
+        else:
+            stack.append(Record(cls, args, new=name == "NEWOBJ"))
     elif name == "BUILD":
         state = stack.pop()
         if not isinstance(stack[-1], Record):
-            raise ValueError(f"BUILD of a {type(stack[-1]).__name__}")
+            raise OutsideSubsetError(f"BUILD of a {type(stack[-1]).__name__}")
         if isinstance(state, tuple) and len(state) == 2 and all(isinstance(s, dict | None) for s in state):
             state = {**(state[0] or {}), **(state[1] or {})}  # (__dict__, slots)
         if not isinstance(state, dict):  # what the class's __setstate__ would take
@@ -138,4 +199,4 @@ def _structural(name: str, arg: Any, stack: list[Any], memo: dict[int, Any], pop
     elif name in ("BINGET", "LONG_BINGET"):
         stack.append(memo[int(arg)])
     else:
-        raise ValueError(f"the pickle opcode {name} is outside the data subset this reader takes")
+        raise OutsideSubsetError(f"the pickle opcode {name} is outside the data subset this reader takes")

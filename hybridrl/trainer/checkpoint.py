@@ -37,10 +37,10 @@ Resume (``trainer.resume_mode``): ``auto`` takes the newest save in ``default_lo
 
 Before anything is loaded, every rank checks the checkpoint (collectively, so all ranks decide alike): its
 share of the manifest's sizes and hashes, and every file it will read through readers that cannot run code
-(JSON, safetensors, weights-only ``.pt``, :mod:`hybridrl.mcore.checkpoint_safety` for Megatron's folders). A
-corrupt checkpoint (a file missing, cut short, changed or unparsable) is named in one line and resume falls
-back to the next older complete checkpoint of the same folder; when none is intact, or a file holds code (a
-planted pickle is no accident), resume stops with a one-line :class:`ResumeError`.
+(JSON, safetensors, and for ``.pt`` files and DCP folders the readers of :mod:`hybridrl.mcore.checkpoint_safety`,
+which never unpickle). A corrupt checkpoint (a file missing, cut short, changed or unparsable) is named in one
+line and resume falls back to the next older complete checkpoint of the same folder; when none is intact, or a
+file holds code (a planted pickle is no accident), resume stops with a one-line :class:`ResumeError`.
 
 A run that starts below the folder's highest step (``disable``, or ``path`` to an older step) leaves the higher
 ``global_step_N`` of the earlier run alone, overwrites the steps it reaches itself, and prunes (``max_ckpt_to_keep``)
@@ -63,7 +63,8 @@ import torch.distributed as dist
 from hybridrl.config.schema import TrainerConfig
 from hybridrl.errors import InputError
 from hybridrl.mcore import checkpoint as mckpt
-from hybridrl.mcore.checkpoint_safety import CorruptCheckpointError, UnsafeCheckpointError, load_weights_only
+from hybridrl.mcore.checkpoint_safety import CorruptCheckpointError, UnsafeCheckpointError
+from hybridrl.mcore.torch_file import load_torch_file
 from hybridrl.trainer.manifest import can_hash, check_files, gather, read_manifest, write_manifest
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -337,6 +338,7 @@ class CheckpointManager:
                 problems.append(("corrupt", problem))
         except ValueError as err:
             problems.append(("corrupt", str(err)))
+        n_manifest = len(problems)
         try:
             self._check_folders(path)
             read = self._read(path)
@@ -348,7 +350,9 @@ class CheckpointManager:
             problems.append(("corrupt", str(err)))
         except (OSError, ValueError, KeyError, TypeError) as err:  # a file missing, a field missing or mistyped
             problems.append(("corrupt", f"{path} cannot be read ({type(err).__name__}: {err})"))
-        verdicts = [p for ranks in gather(problems) for p in ranks]
+        # a rank's manifest finding (sizes, hashes) names the damage better than another rank's parse error of it
+        gathered = gather((n_manifest, problems))
+        verdicts = [p for n, found in gathered for p in found[:n]] + [p for n, found in gathered for p in found[n:]]
         return next((p for p in verdicts if p[0] == "unsafe"), verdicts[0] if verdicts else None), read
 
     def _check_folders(self, path: str) -> None:
@@ -368,7 +372,7 @@ class CheckpointManager:
         if os.path.isfile(os.path.join(path, STATE)):
             doc = _read_json(os.path.join(path, STATE))
         else:  # an earlier hybridrl's torch.save of the same dict (numbers, strings, containers)
-            doc = load_weights_only(os.path.join(path, "trainer.pt"))
+            doc = load_torch_file(os.path.join(path, "trainer.pt"))
         same_layout = _read_json(os.path.join(path, "meta.json"))["layout"] == mckpt.layout_signature()
         rng = None
         for name in (f"rng_rank{dist.get_rank()}.safetensors", f"rng_rank{dist.get_rank()}.pt"):

@@ -8,8 +8,10 @@ over both, Megatron TP 1 x DP 2, so both split each batch alike.
   and after a second one equal the Megatron critic's from the same HF folder (nonzero value head), <= 1e-5; the
   losses and grad norms too;
 - checkpoint: the FSDP critic saved by the CheckpointManager after the first update and resumed into a fresh
-  group makes the same second update bit for bit; the same checkpoint loaded on ONE rank (DCP reshards model and
-  Adam moments) gives the 2-rank values and second update (<= 1e-5); a planted pickle in it is refused;
+  group, with every unpickler unreachable (``pickle.load``, ``torch.load`` and torch's weights-only unpickler
+  raise), makes the same second update bit for bit; the saved folder read by hybridrl's reader equals torch's
+  ``FileSystemReader``'s (bitwise); the same checkpoint loaded on ONE rank (DCP reshards model and Adam moments)
+  gives the 2-rank values and second update (<= 1e-5); a planted pickle in it is refused;
 - export: ``hybridrl export``'s function writes that critic as an HF ``*ForSequenceClassification`` folder whose
   per-token scores (transformers' own class) equal the FSDP critic's values (<= 1e-5).
 """
@@ -24,6 +26,7 @@ import pytest
 import torch
 
 from tests.mcore import hf_tiny
+from tests.mcore.no_unpickler import assert_same, unpickler_unreachable
 from tests.multirank import run_ranks
 from tests.workers.test_critic_update import PROMPT, _batch
 
@@ -95,7 +98,8 @@ def _body(rank: int, world: int, lm: str, score: str, ckpt: str, batch: dict) ->
         out[backend] = r
     _, fresh = _groups(world, lm, score, "fsdp", ckpt, roles=("critic",))
     resumed = CheckpointManager(cfg.trainer, states={"critic": fresh["critic"], "trainer": _Loop()})
-    out["resumed"] = resumed.maybe_resume()
+    with unpickler_unreachable():
+        out["resumed"] = resumed.maybe_resume()
     out["resumed_metrics2"], out["resumed_values2"] = _update(fresh["critic"], batch)
     return out
 
@@ -166,6 +170,7 @@ def test_fsdp_roles_match_megatron_and_hf(tmp_path):
     assert _max_diff(one["values2"], fsdp["values2"], mask) <= 1e-5
     assert one["metrics2"]["critic/loss"] == pytest.approx(fsdp["metrics2"]["critic/loss"], rel=1e-5)
 
+    _check_same_as_torch_reader(os.path.join(ckpt, "global_step_1", "critic", "state"))
     _check_planted_pickle(os.path.join(ckpt, "global_step_1", "critic"), str(tmp_path / "planted"))
     _check_export(os.path.join(ckpt, "global_step_1"), str(tmp_path / "hf_critic"), batch, fsdp["values1"], mask)
 
@@ -182,6 +187,19 @@ def _check_export(step: str, out: str, batch: dict, values: torch.Tensor, mask: 
                              position_ids=batch["position_ids"]).last_hidden_state  # fmt: skip
         scores = model.score(hidden).squeeze(-1)[:, PROMPT - 1 : PROMPT - 1 + values.shape[1]]
     assert _max_diff(scores, values, mask) <= 1e-5
+
+
+def _check_same_as_torch_reader(folder: str) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from hybridrl.mcore.safe_dcp import load_full_state
+
+    want: dict = {}
+    _load_state_dict(want, FileSystemReader(folder), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    assert {"model", "optim"} <= set(want) and want["optim"]["state"]  # weights and Adam moments
+    assert_same(load_full_state(folder), want)
 
 
 class _Planted:

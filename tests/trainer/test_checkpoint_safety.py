@@ -15,7 +15,13 @@ checkpoint (``run_ranks`` children cannot save: Megatron's writer starts process
   to an older checkpoint (planted code is no accident), no marker;
 - a shard cut short in the newer of two checkpoints, by explicit path and by ``resume_mode=auto``: one line
   naming the file, resumed from the older one; both cut: a one-line ResumeError; an untouched copy resumes;
-  a trainer state of another data seed: a one-line ResumeError.
+  a trainer state of another data seed: a one-line ResumeError;
+- an untouched copy resumed with every unpickler unreachable (``pickle.load``/``loads``/``Unpickler``,
+  ``torch.load`` and torch's weights-only unpickler raise): resume reads nothing through one;
+- the readers against torch's own on the files the trainer wrote: every ``.pt`` file equals ``torch.load``'s
+  (weights-only) and every DCP folder (``actor/model``, ``critic/model``) equals torch's ``FileSystemReader``'s,
+  bitwise, with the same dtypes, strides and structure; so do the ``trainer.pt`` and ``rng_rank{r}.pt`` files of
+  earlier versions, written from the resumed run's own state.
 
 Then one ``torchrun ... hybridrl train`` launch on the rank-1 payload shows what a user sees.
 """
@@ -36,6 +42,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.mcore.no_unpickler import assert_same, unpickler_unreachable
 from tests.multirank import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,11 +158,13 @@ def _other_seed(case: Path, marker: str) -> None:
 
 
 TWO = ["global_step_1", "global_step_2"]
+BLOCKED = "no_unpickler"  # the case resumed with every unpickler unreachable
 # name: (the checkpoint's copies in the case folder, resume mode, how to tamper with them)
 CASES = {
     **{name: _payload_case(plant) for name, (plant, _) in PAYLOADS.items()},
     "no_rehash": _payload_case(_plant_pt("actor/optim_rank0.pt"), rehash=False),
     "intact": (["global_step_1"], "path", lambda case, marker: None),
+    BLOCKED: (["global_step_1"], "path", lambda case, marker: None),
     "other_data": (["global_step_1"], "path", _other_seed),
     "cut_path": (TWO, "path", _cut("global_step_2")),
     "cut_auto": (TWO, "auto", _cut("global_step_2")),
@@ -194,14 +203,60 @@ def _body(rank: int, world: int, root: str) -> dict:
         manager = CheckpointManager(dataclasses.replace(trainer.cfg.trainer, **where), states=trainer.ckpt.states)
         console = io.StringIO()
         try:
-            with contextlib.redirect_stdout(console):
+            blocked = unpickler_unreachable() if name == BLOCKED else contextlib.nullcontext()
+            with contextlib.redirect_stdout(console), blocked:
                 manager.maybe_resume()
             result = {"resumed": manager.resumed_from}
         except ResumeError as err:
             result = {"error": str(err), "kind": errors.kind_of(err)}
         dist.barrier()
         out[name] = {**result, "console": console.getvalue(), "ran": (case / MARKER).exists()}
+    out["earlier_formats"] = _earlier_formats(rank, Path(root) / "earlier")
     return out
+
+
+def _earlier_formats(rank: int, folder: Path) -> list[str]:
+    """``rng_rank{r}.pt`` and ``trainer.pt`` as earlier versions wrote them (``torch.save`` of this rank's RNG
+    states, of the trainer state): the safe readers give what ``torch.load`` gives; returns what was compared."""
+    import numpy as np
+    import torch
+
+    from hybridrl.mcore import checkpoint as mckpt
+    from hybridrl.mcore.torch_file import load_torch_file
+
+    folder.mkdir(exist_ok=True)
+    rng, trainer = folder / f"rng_rank{rank}.pt", folder / f"trainer{rank}.pt"
+    torch.save(mckpt.rng_state(), rng)
+    torch.save({"step": 1, "loader": {"seed": 1, "epoch": 0}, "versions": {"actor": 1}}, trainer)
+    rebuild = np.empty(0).__reduce__()[0]
+    with torch.serialization.safe_globals([np.ndarray, np.dtype, type(np.dtype(np.uint32)), rebuild]):
+        want_rng = torch.load(rng, weights_only=True)
+    assert_same(mckpt.read_rng_state(str(rng)), want_rng, "rng")
+    assert_same(load_torch_file(str(trainer)), torch.load(trainer, weights_only=True), "trainer")
+    return sorted(want_rng)
+
+
+def _same_as_torch_readers(step: Path) -> list[str]:
+    """Every ``.pt`` file and DCP folder of a saved checkpoint, read by hybridrl and by torch: the same data."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from hybridrl.mcore.safe_dcp import load_full_state, read_dcp_metadata
+    from hybridrl.mcore.torch_file import load_torch_file
+
+    compared = []
+    for file in sorted(step.rglob("*.pt")):
+        assert_same(load_torch_file(str(file)), torch.load(file, map_location="cpu", weights_only=True), str(file))
+        compared.append(str(file.relative_to(step)))
+    for meta in sorted(step.rglob(".metadata")):
+        want: dict = {}
+        _load_state_dict(want, FileSystemReader(meta.parent), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        assert_same(load_full_state(str(meta.parent)), want, str(meta.parent))
+        assert read_dcp_metadata(str(meta)) == pickle.loads(meta.read_bytes())
+        compared.append(str(meta.parent.relative_to(step)))
+    return compared
 
 
 def _refusal(path: Path, what: str) -> str:
@@ -239,6 +294,12 @@ def test_resume_refuses_planted_code_and_skips_corrupt_checkpoints(tmp_path):
     assert not r["ran"] and r["kind"] == "checkpoint"
     assert r["error"].startswith(_refusal(changed, "a Python object beyond tensors and builtins (builtins.exec)"))
     assert out[0]["intact"]["resumed"] == str(cases / "intact" / "global_step_1")
+    for rank in (0, 1):  # resumed with no unpickler reachable: nothing it read went through one
+        assert out[rank][BLOCKED]["resumed"] == str(cases / BLOCKED / "global_step_1"), out[rank][BLOCKED]
+        assert out[rank]["earlier_formats"] == ["numpy", "python", "torch", "tracker"]
+    compared = _same_as_torch_readers(tmp_path / "run" / "global_step_1")
+    assert {"actor/optim_rank0.pt", "actor/optim_rank1.pt", "critic/optim_rank1.pt", "actor/model/common.pt",
+            "actor/model", "critic/model"} <= set(compared), compared  # fmt: skip
     assert out[0]["other_data"]["error"] == (
         f"checkpoint {cases / 'other_data' / 'global_step_1'}: data loader state: seed was 999 at save time but is "
         "1 now; restore with the same data config and files"
