@@ -278,10 +278,8 @@ class ActorRolloutWorker(_TrainedRole):
         if sampling.get("seed") is not None:
             n = sampling.get("n", self.rollout_cfg.n)
             sampling = {**sampling, "seed": sampling["seed"] + self.rollout_dp_rank * len(prompts) * n}
-        if reward_stream is not None:
-            assert self.agent is None, "reward.overlap_generation is for single-turn rollouts (checks_overlap)"
-            on_step = reward_stream.open(prompts, int(sampling.get("n", self.rollout_cfg.n)))
-            return self.rollout.generate(prompts, on_step=on_step, **sampling)
+        if reward_stream is not None:  # each response (or ended trajectory) scored as it finishes
+            sampling["on_step"] = reward_stream.open(prompts, int(sampling.get("n", self.rollout_cfg.n)))
         return (self.agent or self.rollout).generate(prompts, **sampling)
 
     @register(Dispatch.DP_COMPUTE, mesh="rollout")
