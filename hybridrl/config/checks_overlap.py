@@ -1,9 +1,9 @@
 """Where ``reward.overlap_generation`` (scoring responses while the batch still generates) applies.
 
 The streaming scorer (:mod:`hybridrl.rewards.stream`) hands each response vLLM finishes (with ``rollout.agent``:
-each trajectory the moment its episode ends) to the rule-based / custom scorer at once. It needs the rollout
-engine in the trainer's own process (SPMD: under ``trainer.launcher=ray`` it runs in remote actors) and a
-rule-based scorer (``reward.scorer`` not None; a reward model scores whole batches).
+each trajectory the moment its episode ends) to the rule-based / custom scorer at once, on the ranks (SPMD) or
+host actors (``trainer.launcher=ray``) that generate them. It needs a rule-based scorer (``reward.scorer`` not
+None; a reward model scores whole batches).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ def overlap_blockers(cfg: RunConfig) -> list[str]:
     out = []
     if cfg.reward.scorer is None:
         out.append("reward.scorer is null (no rule-based scorer to run)")
-    if cfg.trainer.launcher == "ray":
-        out.append("trainer.launcher is 'ray' (the engines run in remote actors)")
     return out
 
 

@@ -161,8 +161,8 @@ class RewardConfig:
     """Score each response as soon as vLLM finishes it (with ``rollout.agent``: each trajectory as its episode
     ends), while the rest of the batch still generates (:mod:`hybridrl.rewards.stream`), so that only the last
     responses' scoring is waited for after generation. Rewards are the same either way. None = on wherever it
-    applies: SPMD runs (not ``trainer.launcher=ray``) with a rule-based or custom scorer; a reward model keeps
-    scoring the whole batch after generation. True where it does not apply is an error; False = score after."""
+    applies: every run with a rule-based or custom scorer (SPMD and ``trainer.launcher=ray``); a reward model
+    keeps scoring the whole batch after generation. True where it does not apply is an error; False = score after."""
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Where ``reward.overlap_generation`` resolves on (:func:`hybridrl.config.checks_overlap.overlap_enabled`): the
-packaged configs with the overrides users type. Multi-turn rollouts stream their rewards too; a run without a
-rule-based scorer (a reward model, or only the environment's reward) and Ray mode do not."""
+packaged configs with the overrides users type. Multi-turn rollouts and Ray mode stream their rewards too; a run
+without a rule-based scorer (a reward model, or only the environment's reward) does not."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ SCORER = ["reward.scorer=auto", "reward.custom.path=tests/trainer/agent_scorer.p
         (AGENT, [*SCORER, "reward.overlap_generation=false"], False),
         (AGENT, [], False),  # reward.scorer null: only the environment's reward
         (AGENT, ["reward.model.enable=true", "reward.model.path=rm"], False),  # a reward model scores whole batches
-        (AGENT, [*SCORER, "trainer.launcher=ray", "trainer.save_freq=-1"], False),
+        (AGENT, [*SCORER, "trainer.launcher=ray", "trainer.save_freq=-1"], True),
+        ("tiny_cpu.yaml", ["trainer.launcher=ray"], True),
     ],
-    ids=["single_turn", "agent", "agent_off", "agent_env_reward_only", "agent_reward_model", "agent_ray"],
+    ids=["single_turn", "agent", "agent_off", "agent_env_reward_only", "agent_reward_model", "agent_ray", "ray"],
 )
 def test_overlap_resolves(name, overrides, on):
     assert overlap_enabled(load_config(name, overrides, world_size=2)) is on
