@@ -19,7 +19,9 @@ exactly the tokens the batch holds, so the scores are the batch path's. Extra me
 Under Ray (``trainer.launcher=ray``) the session travels to each host actor with the ``generate_sequences`` call:
 it pickles as the reward config and the manager's settings, never as the scorer itself (a custom scorer's file is
 loaded again on the host, once per run, as the driver loaded it) or the tokenizer (the host decodes with its
-worker's, a copy of the driver's); the host's worker keeps the session it opened for ``streamed_rewards``.
+worker's, a copy of the driver's); the host's worker keeps the session it opened for ``streamed_rewards``. A
+manager built by hand (not by ``RewardManager.from_config``) cannot be rebuilt there: under Ray it scores after
+generation, on the driver.
 
 Applies to rule-based and custom scorers called row by row (:func:`~hybridrl.config.checks_overlap.overlap_enabled`);
 a reward model, or a ``RewardManager`` subclass with its own ``__call__`` (it may need the whole batch), keeps
@@ -51,29 +53,31 @@ class RewardStream:
         manager: the run's reward manager (its scorer, ``timeout_s``, ``max_workers``, totals).
         tokenizer: decodes responses as the trainer does (``tokenizer.decode(token_ids)``); None: the one given to
             :meth:`StreamSession.open` (a Ray host's copy decodes with its worker's).
-        reward_cfg: the ``reward`` section the manager was built from; needed to send the stream to another
-            process (a Ray host rebuilds the manager from it).
     """
 
-    def __init__(self, manager: RewardManager, tokenizer: Any, reward_cfg: Any = None) -> None:
-        self.manager, self.tokenizer, self.reward_cfg = manager, tokenizer, reward_cfg
+    def __init__(self, manager: RewardManager, tokenizer: Any) -> None:
+        self.manager, self.tokenizer = manager, tokenizer
         self.key = uuid.uuid4().hex  # a host rebuilds each run's stream once
 
     def __reduce__(self) -> tuple:
-        if self.reward_cfg is None:
-            raise TypeError("a RewardStream built without its reward config cannot be sent to another process; "
-                            "build it with RewardStream.from_config")  # fmt: skip
-        return _host_stream, (self.key, self.reward_cfg, self.manager.timeout_s, self.manager.max_workers)
+        m = self.manager
+        if m.config is None:
+            raise TypeError("a RewardStream over a RewardManager built by hand cannot be sent to another process; "
+                            "build the manager with RewardManager.from_config")  # fmt: skip
+        return _host_stream, (self.key, type(m), m.config, m.timeout_s, m.max_workers)
 
     @classmethod
     def from_config(cls, cfg: Any, manager: Any, tokenizer: Any) -> RewardStream | None:
         """The stream of a run config (:func:`~hybridrl.config.checks_overlap.overlap_enabled`), or None: no
-        rule-based manager, or one whose ``__call__`` is its own (it scores whole batches)."""
+        rule-based manager, one whose ``__call__`` is its own (it scores whole batches), or, under Ray, one built
+        by hand (not from a config the hosts can rebuild it from)."""
         from hybridrl.config.checks_overlap import overlap_enabled
 
         if manager is None or type(manager).__call__ is not RewardManager.__call__ or not overlap_enabled(cfg):
             return None
-        return cls(manager, tokenizer, cfg.reward)
+        if cfg.trainer.launcher == "ray" and manager.config is None:
+            return None
+        return cls(manager, tokenizer)
 
     def session(self, prompts: DataProto) -> StreamSession:
         """A session for one rollout of ``prompts`` (the batch the trainer passes to ``generate_sequences``)."""
@@ -178,13 +182,13 @@ _HOST_STREAMS: dict[str, RewardStream] = {}
 """The streams this process rebuilt from a driver's (a Ray host's), by the driver stream's key."""
 
 
-def _host_stream(key: str, reward_cfg: Any, timeout_s: float | None, max_workers: int) -> RewardStream:
-    """A driver's :class:`RewardStream` in this process: its manager built from ``reward_cfg`` (as the driver built
-    its own) on first use, with the driver's current ``timeout_s``."""
+def _host_stream(key: str, manager_cls: type[RewardManager], reward_cfg: Any, timeout_s: float | None,
+                 max_workers: int) -> RewardStream:  # fmt: skip
+    """A driver's :class:`RewardStream` in this process: its manager built from ``reward_cfg`` as the driver built
+    its own (``manager_cls.from_config``) on first use, with the driver's current ``timeout_s``."""
     stream = _HOST_STREAMS.get(key)
     if stream is None:
-        manager = RewardManager.from_config(reward_cfg, max_workers=max_workers)
-        stream = _HOST_STREAMS[key] = RewardStream(manager, None, reward_cfg)
+        stream = _HOST_STREAMS[key] = RewardStream(manager_cls.from_config(reward_cfg, max_workers=max_workers), None)
         stream.key = key
     stream.manager.timeout_s = timeout_s
     return stream
