@@ -20,8 +20,9 @@ each trajectory is scored the iteration its episode ends, while the others still
 environment.
 
 Both runs give the same responses and scores (checked here; tests/trainer/test_reward_overlap.py and
-test_agent_reward_overlap.py check it through the trainer). Each mode runs ``--repeats`` times, alternating, after
-a warm-up (which of the two runs first alternates too); the table shows the medians. Wall-clock numbers depend on the machine's load, printed with them.
+test_agent_reward_overlap.py check it through the trainer). Each mode runs ``--repeats`` times, alternating (which
+runs first alternates too), after a warm-up; the table shows the medians. Wall-clock numbers depend on the
+machine's load, printed with them.
 
     python bench/reward_overlap.py [--batch 32] [--n 4] [--tokens 48] [--delay-ms 2 20] [--kind sleep]
     python bench/reward_overlap.py --agent 3 [--env-ms 5]
