@@ -1,14 +1,13 @@
 """Where ``reward.overlap_generation`` (scoring responses while the batch still generates) applies.
 
-The streaming scorer (:mod:`hybridrl.rewards.stream`) hands each response vLLM finishes to the rule-based / custom
-scorer at once. It needs single-turn generation (the agent loop's trajectories are scored by their environment and
-end turn by turn), the rollout engine in the trainer's own process (SPMD: under ``trainer.launcher=ray`` it runs
-in remote actors) and a rule-based scorer (``reward.scorer`` not None; a reward model scores whole batches).
+The streaming scorer (:mod:`hybridrl.rewards.stream`) hands each response vLLM finishes (with ``rollout.agent``:
+each trajectory the moment its episode ends) to the rule-based / custom scorer at once, on the ranks (SPMD) or
+host actors (``trainer.launcher=ray``) that generate them. It needs a rule-based scorer (``reward.scorer`` not
+None; a reward model scores whole batches).
 """
 
 from __future__ import annotations
 
-from hybridrl.config.checks_agent import agent_enabled
 from hybridrl.config.schema import ConfigError, RunConfig
 
 
@@ -17,10 +16,6 @@ def overlap_blockers(cfg: RunConfig) -> list[str]:
     out = []
     if cfg.reward.scorer is None:
         out.append("reward.scorer is null (no rule-based scorer to run)")
-    if agent_enabled(cfg):
-        out.append("rollout.agent is set (multi-turn trajectories)")
-    if cfg.trainer.launcher == "ray":
-        out.append("trainer.launcher is 'ray' (the engines run in remote actors)")
     return out
 
 

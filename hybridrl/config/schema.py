@@ -158,11 +158,11 @@ class RewardConfig:
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO's soft overlong punishment of long training responses."""
     overlap_generation: bool | None = None
-    """Score each response as soon as vLLM finishes it, while the rest of the batch still generates
-    (:mod:`hybridrl.rewards.stream`), so that only the last responses' scoring is waited for after generation.
-    Rewards are the same either way. None = on wherever it applies: single-turn rollouts in SPMD runs (not
-    ``rollout.agent``, not ``trainer.launcher=ray``) with a rule-based or custom scorer; a reward model keeps
-    scoring the whole batch after generation. True where it does not apply is an error; False = score after."""
+    """Score each response as soon as vLLM finishes it (with ``rollout.agent``: each trajectory as its episode
+    ends), while the rest of the batch still generates (:mod:`hybridrl.rewards.stream`), so that only the last
+    responses' scoring is waited for after generation. Rewards are the same either way. None = on wherever it
+    applies: every run with a rule-based or custom scorer (SPMD and ``trainer.launcher=ray``); a reward model
+    keeps scoring the whole batch after generation. True where it does not apply is an error; False = score after."""
 
 
 @dataclass

@@ -127,6 +127,9 @@ class RewardManager:
         self.fixed_scorer_name: str | None = None
         """The registered scorer that scores every row (``reward.scorer`` set to a name), else None."""
         self.scorer_name = getattr(self.score_fn, "__qualname__", repr(self.score_fn))
+        self.config: Any = None
+        """The ``reward`` section :meth:`from_config` built this manager from (None: built by hand); another
+        process (a Ray host) rebuilds the same manager from it."""
         """How the warnings name the scorer (from_config: the reward.* keys that chose it)."""
 
     @classmethod
@@ -160,7 +163,7 @@ class RewardManager:
             raise ScorerError(str(err)) from err
         _check_signature(fn, name)
         manager = cls(fn, timeout_s=cfg.timeout_s, max_workers=max_workers)
-        manager.scorer_name = name
+        manager.scorer_name, manager.config = name, cfg
         if cfg.scorer != "auto":  # one scorer for every row
             manager.fixed_scorer_name = cfg.scorer
         return manager

@@ -133,7 +133,8 @@ class ScorerPool:
             threading.Thread(target=self._work, daemon=True, name="hybridrl-scorer").start()
             self._live += 1
             free += 1
-        self._lock.notify_all()
+        if self._pending:  # idle threads take the queued calls; waking them for nothing costs the generating thread
+            self._lock.notify_all()  # the GIL, at every engine step (poll)
 
     def _work(self) -> None:
         assert self.timeout_s is not None

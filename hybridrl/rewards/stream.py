@@ -16,6 +16,13 @@ scores, ``reward/errors`` / ``reward/timeouts``, warning and running totals. A r
 exactly the tokens the batch holds, so the scores are the batch path's. Extra metric:
 ``perf/reward_scored_during_generation``, the fraction of responses whose score was done before generation ended.
 
+Under Ray (``trainer.launcher=ray``) the session travels to each host actor with the ``generate_sequences`` call:
+it pickles as the reward config and the manager's settings, never as the scorer itself (a custom scorer's file is
+loaded again on the host, once per run, as the driver loaded it) or the tokenizer (the host decodes with its
+worker's, a copy of the driver's); the host's worker keeps the session it opened for ``streamed_rewards``. A
+manager built by hand (not by ``RewardManager.from_config``) cannot be rebuilt there: under Ray it scores after
+generation, on the driver.
+
 Applies to rule-based and custom scorers called row by row (:func:`~hybridrl.config.checks_overlap.overlap_enabled`);
 a reward model, or a ``RewardManager`` subclass with its own ``__call__`` (it may need the whole batch), keeps
 scoring after generation.
@@ -24,6 +31,7 @@ scoring after generation.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -43,19 +51,31 @@ class RewardStream:
 
     Args:
         manager: the run's reward manager (its scorer, ``timeout_s``, ``max_workers``, totals).
-        tokenizer: decodes responses as the trainer does (``tokenizer.decode(token_ids)``).
+        tokenizer: decodes responses as the trainer does (``tokenizer.decode(token_ids)``); None: the one given to
+            :meth:`StreamSession.open` (a Ray host's copy decodes with its worker's).
     """
 
     def __init__(self, manager: RewardManager, tokenizer: Any) -> None:
         self.manager, self.tokenizer = manager, tokenizer
+        self.key = uuid.uuid4().hex  # a host rebuilds each run's stream once
+
+    def __reduce__(self) -> tuple:
+        m = self.manager
+        if m.config is None:
+            raise TypeError("a RewardStream over a RewardManager built by hand cannot be sent to another process; "
+                            "build the manager with RewardManager.from_config")  # fmt: skip
+        return _host_stream, (self.key, type(m), m.config, m.timeout_s, m.max_workers)
 
     @classmethod
     def from_config(cls, cfg: Any, manager: Any, tokenizer: Any) -> RewardStream | None:
         """The stream of a run config (:func:`~hybridrl.config.checks_overlap.overlap_enabled`), or None: no
-        rule-based manager, or one whose ``__call__`` is its own (it scores whole batches)."""
+        rule-based manager, one whose ``__call__`` is its own (it scores whole batches), or, under Ray, one built
+        by hand (not from a config the hosts can rebuild it from)."""
         from hybridrl.config.checks_overlap import overlap_enabled
 
         if manager is None or type(manager).__call__ is not RewardManager.__call__ or not overlap_enabled(cfg):
+            return None
+        if cfg.trainer.launcher == "ray" and manager.config is None:
             return None
         return cls(manager, tokenizer)
 
@@ -76,13 +96,21 @@ class StreamSession:
         self.n = self.rows = 0
         self.lengths: dict[int, int] = {}
         self.generation_end = 0.0
+        self.decode: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # sent to a Ray host before open(): the prompts are the driver's (the host gets its share as the call's data)
+        return {**self.__dict__, "prompts": None, "pool": None, "decode": None}
 
     # ---- on the rank that generates ----------------------------------------------------------------------
 
-    def open(self, prompts: DataProto, n: int) -> StreamSession:
+    def open(self, prompts: DataProto, n: int, tokenizer: Any = None) -> StreamSession:
         """Start scoring this rank's share ``prompts`` (``b`` rows, ``n`` samples each); returns the engine's
-        ``on_step`` callback (this session)."""
-        m = self.stream.manager
+        ``on_step`` callback (this session). ``tokenizer``: decodes where the stream has none (a Ray host's copy)."""
+        m, tokenizer = self.stream.manager, self.stream.tokenizer or tokenizer
+        if tokenizer is None:
+            raise ValueError("reward stream: no tokenizer to decode responses; pass the worker's to open()")
+        self.decode = tokenizer.decode
         self.pool = ScorerPool(m.timeout_s, m.max_workers)
         self.non_tensors, self.n, self.rows = check_inputs(prompts.non_tensor_batch), n, len(prompts) * n
         self.lengths = {}
@@ -91,7 +119,7 @@ class StreamSession:
     def __call__(self, finished: list[tuple[int, list[int]]]) -> None:
         """The engine's ``on_step``: queue the scoring of the responses one step finished."""
         assert self.pool is not None, "StreamSession: open() before generating"
-        m, decode = self.stream.manager, self.stream.tokenizer.decode
+        m, decode = self.stream.manager, self.decode
         for row, tokens in finished:
             self.lengths[row] = len(tokens)
             self.pool.submit(row, m.row_call(self.non_tensors, row // self.n, decode(tokens)))
@@ -148,3 +176,19 @@ class StreamSession:
         result = self.stream.manager.summarize(batch, rows, response_mask)
         result.metrics["perf/reward_scored_during_generation"] = float(b["stream_early"].float().mean())
         return result
+
+
+_HOST_STREAMS: dict[str, RewardStream] = {}
+"""The streams this process rebuilt from a driver's (a Ray host's), by the driver stream's key."""
+
+
+def _host_stream(key: str, manager_cls: type[RewardManager], reward_cfg: Any, timeout_s: float | None,
+                 max_workers: int) -> RewardStream:  # fmt: skip
+    """A driver's :class:`RewardStream` in this process: its manager built from ``reward_cfg`` as the driver built
+    its own (``manager_cls.from_config``) on first use, with the driver's current ``timeout_s``."""
+    stream = _HOST_STREAMS.get(key)
+    if stream is None:
+        stream = _HOST_STREAMS[key] = RewardStream(manager_cls.from_config(reward_cfg, max_workers=max_workers), None)
+        stream.key = key
+    stream.manager.timeout_s = timeout_s
+    return stream

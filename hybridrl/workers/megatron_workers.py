@@ -233,6 +233,7 @@ class ActorRolloutWorker(_TrainedRole):
         from hybridrl.rollout import VLLMRolloutEngine
 
         self.actor_cfg, self.rollout_cfg = actor, rollout
+        self.tokenizer, self._reward_session = tokenizer, None  # the session generate_sequences opened
         self.objective = ActorLoss(actor, rollout_correction)  # a custom policy loss file is imported here
         m = actor.megatron
         self.model = roles.build_actor(model_path, dtype=getattr(torch, dtype), **model_options(m, "actor.megatron"))
@@ -278,17 +279,20 @@ class ActorRolloutWorker(_TrainedRole):
         if sampling.get("seed") is not None:
             n = sampling.get("n", self.rollout_cfg.n)
             sampling = {**sampling, "seed": sampling["seed"] + self.rollout_dp_rank * len(prompts) * n}
-        if reward_stream is not None:
-            assert self.agent is None, "reward.overlap_generation is for single-turn rollouts (checks_overlap)"
-            on_step = reward_stream.open(prompts, int(sampling.get("n", self.rollout_cfg.n)))
-            return self.rollout.generate(prompts, on_step=on_step, **sampling)
+        if reward_stream is not None:  # each response (or ended trajectory) scored as it finishes
+            n = int(sampling.get("n", self.rollout_cfg.n))
+            sampling["on_step"] = self._reward_session = reward_stream.open(prompts, n, self.tokenizer)
         return (self.agent or self.rollout).generate(prompts, **sampling)
 
     @register(Dispatch.DP_COMPUTE, mesh="rollout")
     def streamed_rewards(self, prompts: DataProto, reward_stream: Any) -> DataProto:
         """The scores ``reward_stream`` computed while this replica generated ``prompts`` (the batch given to
-        :meth:`generate_sequences`, split as it was), in its rows' order; waits for the last ones."""
-        return reward_stream.collect()
+        :meth:`generate_sequences`, split as it was), in its rows' order; waits for the last ones. The session is
+        the one :meth:`generate_sequences` opened here (under Ray each call gets its own copy of ``reward_stream``)."""
+        session, self._reward_session = self._reward_session, None
+        if session is None:
+            raise RuntimeError("streamed_rewards: no reward stream was opened here; call generate_sequences first")
+        return session.collect()
 
     @register(Dispatch.ONE_TO_ALL)
     def switch_to_training(self) -> dict[str, float]:

@@ -453,8 +453,8 @@ CASES = [
      "checkpoints yet; set trainer.save_freq=-1 or launch SPMD (trainer.launcher=spmd, under torchrun)"),
     (TINY, ["rollout.agent.max_turns=0"], "rollout.agent.max_turns (0) must be >= 1; set it to 1 for single-turn "
      "trajectories"),
-    (TINY, ["trainer.launcher=ray", "reward.overlap_generation=true"], "reward.overlap_generation (true) does not "
-     "apply here: trainer.launcher is 'ray' (the engines run in remote actors); set it to null (auto) or false"),
+    ("tiny_cpu_agent.yaml", ["reward.overlap_generation=true"], "reward.overlap_generation (true) does not apply "
+     "here: reward.scorer is null (no rule-based scorer to run); set it to null (auto) or false"),
     (TINY, ["rollout.cpu_kv_cache_gib=0.0001"], "rollout.cpu_kv_cache_gib (0.0001 GiB) cannot hold one sequence of "
      "rollout.max_model_len (32) tokens, which needs 0.2 MiB of KV cache; raise rollout.cpu_kv_cache_gib or unset it "
      "for the auto size"),

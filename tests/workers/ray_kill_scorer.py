@@ -1,8 +1,9 @@
 """A custom reward scorer (``reward.custom.path``) that kills one of Ray mode's host actors mid-step.
 
-Ray mode scores on the driver; on its ``RAY_KILL_AT_CALL``-th call this scorer SIGKILLs the host actor of rank
-``RAY_KILL_RANK`` (default 1) of the driver's pool, and writes the time it did so to ``RAY_KILL_STAMP``: a real
-death of a device's process between two role calls. It scores like the built-in registry otherwise.
+With ``reward.overlap_generation=false`` Ray mode scores on the driver; on its ``RAY_KILL_AT_CALL``-th call this
+scorer SIGKILLs the host actor of rank ``RAY_KILL_RANK`` (default 1) of the driver's pool, and writes the time it
+did so to ``RAY_KILL_STAMP``: a real death of a device's process between two role calls. It scores like the
+built-in registry otherwise.
 """
 
 from __future__ import annotations

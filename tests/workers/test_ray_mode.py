@@ -118,7 +118,8 @@ def test_killed_actor_ends_the_run_naming_it(tmp_path):
     stamp = tmp_path / "killed_at"
     cmd = [sys.executable, "-m", "hybridrl", "train", "tiny_cpu.yaml", "trainer.launcher=ray", "trainer.total_steps=2",
            f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.collective_timeout_s=120",
-           f"reward.custom.path={Path(__file__).with_name('ray_kill_scorer.py')}"]  # fmt: skip
+           f"reward.custom.path={Path(__file__).with_name('ray_kill_scorer.py')}",
+           "reward.overlap_generation=false"]  # the scorer on the driver (overlap runs it on the hosts)  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(OMP_NUM_THREADS="1", RAY_KILL_AT_CALL="1", RAY_KILL_STAMP=str(stamp))
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)

@@ -11,6 +11,8 @@ trajectory whose answer is back is queued again at once, with its prompt, its tu
 the other trajectories keep generating. The loop blocks only when vLLM has nothing to run. ``turn_sync=True``
 runs the same work the simple way (every turn waits for the slowest environment answer of that turn): the
 baseline of ``bench/agent_loop.py``.
+With ``on_step`` (``reward.overlap_generation``: :mod:`hybridrl.rewards.stream`) each trajectory is handed over
+the iteration it ends, so that the rule-based scorer works on it while the others still generate or wait for tools.
 
 The trained sequence is exactly what vLLM generated plus the observation tokens: nothing is re-tokenized.
 Each turn of each trajectory samples with its own seed: turn 0 of trajectory ``k`` (``k = prompt * n + sample``)
@@ -29,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,6 +43,7 @@ from hybridrl.rollout.agent.chat import as_messages
 from hybridrl.rollout.agent.episode import BUDGET, COUNTS, DONE, END_ERROR, MAX_TURNS, Trajectory, environment_turn
 from hybridrl.rollout.agent.interface import AgentError, Turn
 from hybridrl.rollout.base import ROLLOUT_KEYS, pack_rollout, unpad_prompts
+from hybridrl.rollout.streaming import Finished
 
 logger = logging.getLogger(__name__)
 _MASK62 = (1 << 62) - 1
@@ -129,8 +133,13 @@ class AgentLoop:
         return turn_seed((self.engine.seed << 24) + self.engine.replica, self.calls)
 
     # ---- the loop ----------------------------------------------------------------------------------------------
-    def generate(self, prompts: DataProto, **sampling: Any) -> DataProto:
+    def generate(self, prompts: DataProto, on_step: Callable[[Finished], None] | None = None,
+                 **sampling: Any) -> DataProto:  # fmt: skip
         """Multi-turn trajectories for ``prompts``: ``n`` per prompt, adjacent; see the module docstring.
+
+        ``on_step``: called after every iteration of the loop with the trajectories that ended in it (their row and
+        final response tokens, as :func:`~hybridrl.rollout.streaming.generate_streaming` reports finished
+        responses), on every rank of the engine; the last call comes when the last trajectory ended.
 
         Returns:
             The :func:`~hybridrl.rollout.base.pack_rollout` fields (``responses`` holds whole trajectories,
@@ -156,10 +165,11 @@ class AgentLoop:
             for j in range(n)
         ]
         requests = VLLMRequests(self.engine)
-        timing = self._run(trajs, requests, settings, budget)
+        timing = self._run(trajs, requests, settings, budget, on_step)
         return self._pack(prompts, rows, n, trajs, budget, timing)
 
-    def _run(self, trajs: list[Trajectory], requests: Any, settings: dict, budget: int) -> dict[str, float]:
+    def _run(self, trajs: list[Trajectory], requests: Any, settings: dict, budget: int,
+             on_step: Callable[[Finished], None] | None) -> dict[str, float]:  # fmt: skip
         start, stats = time.perf_counter(), {"engine_s": 0.0, "wait_s": 0.0, "engine_steps": 0.0}
         jobs: dict[cf.Future, Trajectory] = {}
         ready: list[tuple] = []
@@ -179,6 +189,8 @@ class AgentLoop:
             events = self._share(events)
             for event in events:
                 left -= self._apply(event, trajs[event[1]], requests, settings, budget)
+            if on_step is not None:  # ended trajectories are final: their scoring needs nothing else of the loop
+                on_step([(e[1], list(trajs[e[1]].response)) for e in events if e[0] == "end"])
             events = []
             if not requests.has_unfinished():
                 continue
