@@ -48,7 +48,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hybridrl.mcore import gpt, hf_config, lora, safe_load
-from hybridrl.mcore.checkpoint_safety import CorruptCheckpointError
+from hybridrl.mcore.checkpoint_safety import CorruptCheckpointError, refuse_extra_state
 from hybridrl.mcore.optimizer import MegatronOptimizer
 from hybridrl.mcore.roles import RoleModel, score_model_chunks
 from hybridrl.mcore.safe_dcp import check_dist_checkpoint
@@ -107,6 +107,7 @@ def load_model(chunks: list[torch.nn.Module], path: str) -> None:
     """
     check_dist_checkpoint(path)
     loaded = safe_load.load(_model_sharded_state_dict(chunks), path)
+    refuse_extra_state(loaded, path)  # before load_state_dict hands any of it to TransformerEngine
     for i, chunk in enumerate(chunks):
         missing, _ = chunk.load_state_dict(loaded[f"chunk{i}"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]

@@ -68,6 +68,11 @@ class _Mark:
     pass
 
 
+MAX_TUPLE_DEPTH = 100
+"""How deeply tuples and frozensets may nest. Hashing a nested tuple recurses in C with no depth guard (a million
+nested ``TUPLE1`` crash the interpreter when used as a key); torch and DCP files nest them a few levels deep."""
+
+
 _PUSH_ARG = {"BININT", "BININT1", "BININT2", "LONG1", "LONG4", "BINFLOAT", "SHORT_BINUNICODE", "BINUNICODE",
              "BINUNICODE8", "SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "SHORT_BINSTRING", "BINSTRING"}  # fmt: skip
 _CONSTANTS = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}
@@ -95,6 +100,15 @@ def read_records(data: bytes, persistent_ids: bool = False) -> Any:
     memo: dict[int, Any] = {}
 
     marks: list[int] = []  # stack positions of the open MARKs, innermost last
+    depths: dict[int, int] = {}  # id -> nesting depth of each tuple / frozenset made (they stay alive in the result)
+
+    def nested(items: list | tuple, make: type = tuple) -> tuple | frozenset:
+        depth = 1 + max((depths.get(id(v), 0) for v in items if isinstance(v, tuple | frozenset)), default=0)
+        if depth > MAX_TUPLE_DEPTH:  # checked before the items are hashed (a frozenset's)
+            raise ValueError(f"tuples nested more than {MAX_TUPLE_DEPTH} deep")
+        value = make(items)
+        depths[id(value)] = depth
+        return value
 
     def pop_mark() -> list[Any]:
         i = marks.pop()
@@ -130,18 +144,27 @@ def read_records(data: bytes, persistent_ids: bool = False) -> Any:
             stack.append(())
         elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
             n = int(name[-1])
-            items = tuple(stack[-n:])
+            items = nested(stack[-n:])
             del stack[-n:]
             stack.append(items)
         elif name == "TUPLE":
-            stack.append(tuple(pop_mark()))
+            stack.append(nested(pop_mark()))
         elif name == "FROZENSET":
-            stack.append(frozenset(pop_mark()))
+            stack.append(nested(pop_mark(), frozenset))
         elif name == "BINPERSID" and persistent_ids:
             stack.append(PersistentId(stack.pop()))
         else:
             _structural(name, arg, stack, memo, pop_mark)
     raise ValueError("the pickle has no STOP opcode")
+
+
+def _ordered_dict_attrs(target: collections.OrderedDict, state: Any) -> None:
+    """``BUILD`` of an ``OrderedDict``: plain named attributes (``Module.state_dict()`` sets ``_metadata``), set in
+    its ``__dict__`` as the unpickler and ``torch.load`` set them (their values still records, built by readers)."""
+    if not (isinstance(state, dict) and all(isinstance(k, str) and k.isidentifier() and not k.startswith("__")
+                                            for k in state)):  # fmt: skip
+        raise OutsideSubsetError("BUILD of an OrderedDict with a state other than plain named attributes")
+    vars(target).update(state)
 
 
 def _py3_name(module: str, name: str) -> tuple[str, str]:
@@ -185,6 +208,9 @@ def _structural(name: str, arg: Any, stack: list[Any], memo: dict[int, Any], pop
             stack.append(Record(cls, args, new=name == "NEWOBJ"))
     elif name == "BUILD":
         state = stack.pop()
+        if type(stack[-1]) is collections.OrderedDict:  # a module's state dict: its _metadata attribute
+            _ordered_dict_attrs(stack[-1], state)
+            return
         if not isinstance(stack[-1], Record):
             raise OutsideSubsetError(f"BUILD of a {type(stack[-1]).__name__}")
         if isinstance(state, tuple) and len(state) == 2 and all(isinstance(s, dict | None) for s in state):

@@ -11,8 +11,10 @@ folder through two strategies, both of which unpickle by default: the common one
   tensors and its :class:`~megatron.core.dist_checkpointing.strategies.torch.MCoreLoadPlanner` (global-shape
   checks), read through :class:`hybridrl.mcore.safe_dcp.SafeFileSystemReader`. Megatron's
   ``TorchDistLoadShardedStrategy.load`` builds its reader inside the method, so the subclass states the same
-  steps with the reader swapped; the metadata queries (``load_tensors_metadata``, ``load_sharded_metadata``)
-  read ``.metadata`` through the safe reader too.
+  steps (Megatron's key mapping and conversion helpers, its planner, then torch's ``dcp.load``) with the reader
+  swapped; ``tests/mcore/test_torch_file_crafted.py`` pins the source of the Megatron methods this mirrors, so
+  an upgrade that changes them fails until this module is checked against them again. The metadata queries
+  (``load_tensors_metadata``, ``load_sharded_metadata``) read ``.metadata`` through the safe reader too.
 
 Nothing is patched: the strategies are arguments. The folder's ``metadata.json`` (JSON) must name the
 ``torch_dist`` / ``torch`` backends (:func:`hybridrl.mcore.safe_dcp.check_dist_checkpoint`).
@@ -53,24 +55,14 @@ class SafeTorchDistLoadStrategy(mtorch.TorchDistLoadShardedStrategy):
     """Megatron's ``torch_dist`` load strategy reading through :class:`SafeFileSystemReader` (see module docs)."""
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
-        tensors = [t for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor)]
-        # the same split Megatron makes: tensors whose global shape must match, and those allowed to differ
-        checked = [t for t in tensors if not t.allow_shape_mismatch]
-        loose = {t.key: t for t in tensors if t.allow_shape_mismatch}
-        template = sharded_state_dict
-        flat, flat_mapping, rename_mapping = mtorch._replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
-        pyt_state_dict = mtorch.mcore_to_pyt_state_dict(flat, True)
+        planner = _planner(sharded_state_dict)
+        flat, keys, renames = mtorch._replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
+        torch_state = mtorch.mcore_to_pyt_state_dict(flat, True)
         reader = SafeFileSystemReader(checkpoint_dir)
-        planner = mtorch.MCoreLoadPlanner(
-            shapes_validation_sharded_tensors=checked, allow_shape_mismatch_sharded_tensors=loose
-        )
         with readers_errors(reader):
-            dcp.load(pyt_state_dict, storage_reader=reader, planner=planner)
-        self.cached_global_metadata = planner.metadata
-        loaded = {k: mtorch._unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
-        loaded = mtorch._replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename_mapping)
-        mtorch._restore_dict_types(loaded, template)
-        return loaded
+            dcp.load(torch_state, storage_reader=reader, planner=planner)
+        self.cached_global_metadata = planner.metadata  # what the planner read through the safe reader
+        return _to_mcore(torch_state, keys, renames, sharded_state_dict)
 
     def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Any = None) -> Any:
         if metadata is None:
@@ -85,6 +77,26 @@ class SafeTorchDistLoadStrategy(mtorch.TorchDistLoadShardedStrategy):
                 obj = ShardedObject.empty_from_unique_key(key)
                 objects[obj.unique_key] = obj
         return {**objects, **self.load_tensors_metadata(checkpoint_dir, metadata)}
+
+
+def _planner(sharded_state_dict: Any) -> mtorch.MCoreLoadPlanner:
+    """Megatron's load planner, told which tensors' global shapes must equal the checkpoint's: all but those
+    marked ``allow_shape_mismatch`` (handed over by key)."""
+    strict, loose = [], {}
+    for value in nested_values(sharded_state_dict):
+        if isinstance(value, ShardedTensor) and value.allow_shape_mismatch:
+            loose[value.key] = value
+        elif isinstance(value, ShardedTensor):
+            strict.append(value)
+    return mtorch.MCoreLoadPlanner(shapes_validation_sharded_tensors=strict, allow_shape_mismatch_sharded_tensors=loose)
+
+
+def _to_mcore(torch_state: dict, keys: Any, renames: Any, template: Any) -> Any:
+    """The loaded torch sharded tensors as local tensors under the caller's keys, in its dict types."""
+    local = {key: mtorch._unwrap_pyt_sharded_tensor(value) for key, value in torch_state.items()}
+    loaded = mtorch._replace_sharded_keys_with_state_dict_keys(local, keys, renames)
+    mtorch._restore_dict_types(loaded, template)
+    return loaded
 
 
 def load(sharded_state_dict: dict[str, Any], checkpoint_dir: str) -> dict[str, Any]:

@@ -10,17 +10,22 @@ directory with :mod:`zipfile`, turns ``data.pkl`` into plain records (:func:`hyb
   ``bytearray``, ``complex``, ``torch.Size``, ``torch.device``, dtypes and layouts;
 - tensors (``torch._utils._rebuild_tensor_v2`` / ``_v3``) and parameters (``_rebuild_parameter``): each storage is
   read once, straight into a tensor torch allocates, and viewed with the saved dtype, size, stride and offset
-  (``Tensor.set_``, what torch's own rebuild does); ``requires_grad`` as saved; backward hooks must be empty;
+  (``Tensor.set_``, what torch's own rebuild does) once :func:`check_view` has bounded the view by the storage;
+  ``requires_grad`` as saved; backward hooks must be an empty dict (none are attached);
 - with ``numpy=True``, NumPy arrays of numeric dtypes (the RNG states of earlier hybridrl versions).
 
 Anything else raises :class:`~hybridrl.mcore.checkpoint_safety.UnsafeCheckpointError`, one line naming the file
-and the global, before anything of the file is built. :func:`load_torch_window` reads such an archive embedded in
-a larger file (an item of a ``torch.distributed.checkpoint`` shard); :func:`check_torch_file` checks a file
-without reading its tensors' bytes (their tensors are built on the meta device).
+and the global, before anything of the file is built. Zip entries must lie inside the file before they are read
+or allocated; tensor kinds torch saves but these readers do not build (conjugate, sparse, quantized, meta, ...),
+and anything else a malformed file makes fail, raise a one-line
+:class:`~hybridrl.mcore.checkpoint_safety.CorruptCheckpointError`. :func:`load_torch_window` reads such an
+archive embedded in a larger file (an item of a ``torch.distributed.checkpoint`` shard); :func:`check_torch_file`
+checks a file without reading its tensors' bytes (their tensors are built on the meta device).
 """
 
 from __future__ import annotations
 
+import collections
 import io
 import re
 import struct
@@ -50,7 +55,17 @@ with warnings.catch_warnings():  # reading a legacy storage class's dtype warns 
     }  # quantized storages are not read
 _STORAGES[Global("torch", "UntypedStorage")] = _STORAGES[Global("torch.storage", "UntypedStorage")] = torch.uint8
 _HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip entry's local header (its name and extra field follow it)
+_UNSUPPORTED = ("qtensor", "sparse_tensor", "nested_tensor", "meta_tensor_no_storage", "wrapper_subclass",
+                "device_tensor_from_numpy", "device_tensor_from_cpu_tensor", "parameter_with_state")  # fmt: skip
+"""``torch._utils._rebuild_<kind>`` of the tensor kinds torch saves that the readers do not build."""
+_LEGACY = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+"""How a legacy (non-zip) ``torch.save`` file starts: protocol 2, then torch's magic number as a long."""
 _NUMERIC = re.compile(r"[biufc]\d{1,2}")
+
+
+class UnsupportedError(Exception):
+    """A tensor kind torch can save but these readers do not build (quantized, sparse, meta, conjugate, ...): not
+    code, so the readers name it as an unreadable file rather than as a refusal."""
 
 
 class RefusedError(Exception):
@@ -95,6 +110,8 @@ class Builder:
             out = self._memo[id(value)] = type(value)()
             for k, v in value.items():
                 out[self.build(k)] = self.build(v)
+            for k, v in getattr(value, "__dict__", {}).items():  # an OrderedDict's attributes (a state dict's)
+                setattr(out, k, self.build(v))
         elif isinstance(value, tuple | set | frozenset):
             out = self._memo[id(value)] = type(value)(self.build(v) for v in value)
         else:
@@ -126,17 +143,39 @@ def _encode(b: Builder, r: Record) -> bytes:
     return text.encode("latin1")
 
 
+def _no_hooks(hooks: Any) -> None:
+    """Backward hooks as ``torch.save`` writes them: an empty dict (torch refuses to save any other)."""
+    if type(hooks) not in (dict, collections.OrderedDict) or hooks:
+        raise OutsideSubsetError(f"a tensor with backward hooks {hooks!r:.40} (torch.save writes an empty dict)")
+
+
+def check_view(size: tuple[int, ...], stride: tuple[int, ...], offset: int, itemsize: int, nbytes: int) -> None:
+    """Refuse a view that reaches outside its storage of ``nbytes`` bytes (``Tensor.set_`` would grow the
+    storage, or read memory past it). A view of ``n > 0`` elements ends at element
+    ``offset + sum((size_i - 1) * stride_i)``, so it needs ``(that + 1) * itemsize <= nbytes``."""
+    if len(size) != len(stride) or min((offset, *size, *stride)) < 0:
+        raise ValueError(f"a tensor view of size {size}, stride {stride}, offset {offset}: negative or mismatched")
+    if 0 in size:
+        return
+    end = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) + 1
+    if end * itemsize > nbytes:
+        raise ValueError(f"a tensor view of size {size}, stride {stride}, offset {offset} needs {end * itemsize} "
+                         f"bytes of a storage of {nbytes}")  # fmt: skip
+
+
 def _tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any,
             metadata: Any) -> torch.Tensor:  # fmt: skip
     """``torch._utils._rebuild_tensor_v3`` on checked values: a view of the storage, as torch builds it."""
     if not isinstance(storage, _Storage) or type(offset) is not int or not isinstance(requires_grad, bool):
         raise ValueError("a tensor rebuilt from something else than a storage, an offset and a flag")
-    if hooks or metadata:  # torch.save never writes hooks; tensor metadata (e.g. a conj bit) is not taken
-        raise OutsideSubsetError("a tensor with backward hooks or tensor metadata")
+    _no_hooks(hooks)
+    if metadata is not None and (type(metadata) is not dict or metadata):  # torch.save writes it when non-empty
+        raise UnsupportedError(f"a tensor with tensor metadata {metadata!r:.40} (e.g. a conjugate or negative bit)")
+    size, stride = _ints(size), _ints(stride)
+    check_view(size, stride, offset, dtype.itemsize, storage.untyped.nbytes())
     tensor = torch.empty((0,), dtype=dtype, device=storage.untyped.device)
-    tensor.set_(storage.untyped, offset, torch.Size(_ints(size)), _ints(stride))
+    tensor.set_(storage.untyped, offset, torch.Size(size), stride)
     tensor.requires_grad = requires_grad
-    tensor._backward_hooks = hooks  # an empty OrderedDict, as torch.load leaves it
     return tensor
 
 
@@ -155,12 +194,35 @@ def _rebuild_v3(b: Builder, r: Record) -> torch.Tensor:
 
 
 def _parameter(b: Builder, r: Record) -> torch.nn.Parameter:
-    data, requires_grad, hooks = call_args(b, r, torch.Tensor, bool, dict)
-    if hooks:
-        raise OutsideSubsetError("a parameter with backward hooks")
-    param = torch.nn.Parameter(data, requires_grad)
-    param._backward_hooks = hooks
-    return param
+    data, requires_grad, hooks = call_args(b, r, torch.Tensor, bool, None)
+    _no_hooks(hooks)
+    return torch.nn.Parameter(data, requires_grad)
+
+
+def _bytearray(b: Builder, r: Record) -> bytearray:
+    """``bytearray()``, ``bytearray(bytes)`` (protocol 3+) or ``bytearray(text, "latin-1")`` (protocol 2), no
+    other encoding (naming one imports its codec module)."""
+    args = call_args(b, r, bytes | str, str)
+    if not args:
+        return bytearray()
+    if len(args) == 1 and isinstance(args[0], bytes):
+        return bytearray(args[0])
+    if len(args) == 2 and isinstance(args[0], str) and args[1] in ("latin1", "latin-1"):
+        return bytearray(args[0].encode("latin1"))
+    raise ValueError(
+        f"bytearray called with {len(args)} arguments{f' and encoding {args[1]!r:.20}' * (len(args) == 2)}"
+    )
+
+
+def _empty_bytes(b: Builder, r: Record) -> bytes:
+    """``bytes()``: how protocol 2 writes ``b""`` (an empty NumPy array's data, too)."""
+    if call_args(b, r):
+        raise ValueError("builtins.bytes called with arguments (protocol 2 writes only bytes())")
+    return b""
+
+
+def _unsupported(b: Builder, r: Record) -> Any:
+    raise UnsupportedError(f"a tensor of a kind these readers do not build ({r.cls[0]}.{r.cls[1]})")
 
 
 def _device(b: Builder, r: Record) -> torch.device:
@@ -198,7 +260,8 @@ def _np_array(b: Builder, r: Record) -> Any:
 
 HANDLERS: dict[Global, Callable[[Builder, Record], Any]] = {
     Global("_codecs", "encode"): _encode,
-    Global("builtins", "bytearray"): lambda b, r: bytearray(*call_args(b, r, bytes | str, str)),
+    Global("builtins", "bytearray"): _bytearray,
+    Global("builtins", "bytes"): _empty_bytes,
     Global("builtins", "complex"): lambda b, r: complex(*call_args(b, r, float | int, float | int)),
     Global("torch", "Size"): lambda b, r: torch.Size(_ints(call_args(b, r, tuple)[0])),
     Global("torch", "device"): _device,
@@ -206,6 +269,7 @@ HANDLERS: dict[Global, Callable[[Builder, Record], Any]] = {
     Global("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
     Global("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
     Global("torch._utils", "_rebuild_parameter"): _parameter,
+    **{Global("torch._utils", f"_rebuild_{kind}"): _unsupported for kind in _UNSUPPORTED},
 }
 """What a ``torch.save`` file may build (besides containers and :data:`DTYPES`)."""
 NUMPY_HANDLERS = {
@@ -255,6 +319,11 @@ class _Archive:
 
     def __init__(self, window: _Window, path: str) -> None:
         self.window = window
+        if window.read(len(_LEGACY)) == _LEGACY:
+            raise CorruptCheckpointError(
+                f"{path} is in the legacy torch.save format (before torch 1.6), which hybridrl does not read: "
+                "re-save it with torch.save's default format"
+            )
         with zipfile.ZipFile(window) as zf:
             infos = {info.filename: info for info in zf.infolist()}
         pickles = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
@@ -273,12 +342,17 @@ class _Archive:
         info = self.infos[name]
         if info.compress_type != zipfile.ZIP_STORED:
             raise ValueError(f"{name} is compressed, which torch.save never does")
+        # the directory's offsets and sizes are the file's word: bound them by the file before reading or allocating
+        if not 0 <= info.header_offset <= self.window.length - _HEADER.size:
+            raise ValueError(f"{name}'s header offset {info.header_offset} lies outside the {self.window.length} bytes")
         self.window.seek(info.header_offset)
-        header = self.window.read(_HEADER.size)
-        fields = _HEADER.unpack(header)
+        fields = _HEADER.unpack(self.window.read(_HEADER.size))
         if fields[0] != b"PK\x03\x04":
             raise ValueError(f"no zip entry header for {name}")
-        return info.header_offset + _HEADER.size + fields[10] + fields[11], info.file_size
+        start = info.header_offset + _HEADER.size + fields[10] + fields[11]
+        if start + info.file_size > self.window.length:
+            raise ValueError(f"{name} claims {info.file_size} bytes at {start}, past the end ({self.window.length})")
+        return start, info.file_size
 
     def read(self, name: str) -> bytes:
         start, size = self._span(name)
@@ -336,23 +410,35 @@ def load_torch_window(file: IO[bytes], start: int, length: int, path: str, what:
         return _load(file, start, length, path, read, numpy)
     except RefusedError as err:
         raise refusal(path, f"{what}a Python object beyond tensors and builtins ({err.name})") from None
+    except UnsupportedError as err:
+        raise CorruptCheckpointError(
+            f"{path} holds {what}{err}: an unsupported tensor kind (hybridrl reads dense tensors only); convert it "
+            "with torch.load and save it again"
+        ) from None
     except OutsideSubsetError as err:
         raise refusal(path, f"{what}{err}") from None
     except (UnsafeCheckpointError, CorruptCheckpointError):
         raise
-    except (ValueError, TypeError, KeyError, IndexError, RuntimeError, EOFError, RecursionError, struct.error,
-            zipfile.BadZipFile) as err:  # fmt: skip
+    except Exception as err:  # whatever a malformed file makes fail (MemoryError, OverflowError, ...): one line
         raise corrupt(path, err) from None
 
 
 def load_torch_file(path: str, *, numpy: bool = False) -> Any:
     """What ``torch.load(path, map_location="cpu", weights_only=True)`` returns, read without an unpickler (see
     the module docs); ``numpy=True`` also builds NumPy arrays. Raises as :func:`load_torch_window`."""
-    with open(path, "rb") as f:
+    with _open(path) as f:
         return load_torch_window(f, 0, f.seek(0, 2), path, numpy=numpy)
 
 
 def check_torch_file(path: str, *, numpy: bool = False) -> None:
     """Refuse what :func:`load_torch_file` would refuse, reading only the archive's directory and pickle."""
-    with open(path, "rb") as f:
+    with _open(path) as f:
         load_torch_window(f, 0, f.seek(0, 2), path, read=False, numpy=numpy)
+
+
+def _open(path: str) -> IO[bytes]:
+    try:
+        return open(path, "rb")
+    except OSError as err:
+        raise CorruptCheckpointError(f"{path} cannot be opened ({type(err).__name__}: {err.strerror}); the "
+                                     "checkpoint is incomplete: resume from another checkpoint") from None  # fmt: skip
