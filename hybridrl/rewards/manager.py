@@ -127,10 +127,10 @@ class RewardManager:
         self.fixed_scorer_name: str | None = None
         """The registered scorer that scores every row (``reward.scorer`` set to a name), else None."""
         self.scorer_name = getattr(self.score_fn, "__qualname__", repr(self.score_fn))
+        """How the warnings name the scorer (from_config: the reward.* keys that chose it)."""
         self.config: Any = None
         """The ``reward`` section :meth:`from_config` built this manager from (None: built by hand); another
         process (a Ray host) rebuilds the same manager from it."""
-        """How the warnings name the scorer (from_config: the reward.* keys that chose it)."""
 
     @classmethod
     def from_config(cls, cfg: Any, max_workers: int = 8) -> RewardManager | None:

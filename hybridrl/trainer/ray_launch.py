@@ -48,9 +48,11 @@ def driver_world() -> bool:
     return True
 
 
-def _absolute(path: str | None) -> str | None:
-    """A local folder as an absolute path (the actors' working folder may differ from the driver's)."""
-    return os.path.abspath(path) if path is not None and os.path.isdir(path) else path
+def _absolute(path: str | None, files: bool = False) -> str | None:
+    """A local folder (``files``: or file) as an absolute path (the actors' working folder may differ from the
+    driver's)."""
+    exists = path is not None and (os.path.isdir(path) or (files and os.path.isfile(path)))
+    return os.path.abspath(path) if exists else path
 
 
 @dataclass
@@ -87,6 +89,9 @@ class RayRun:
         model_path = _absolute(model_path)
         cfg.model.path, cfg.critic.model_path = _absolute(cfg.model.path), _absolute(cfg.critic.model_path)
         cfg.reward.model.path = _absolute(cfg.reward.model.path)
+        # files the hosts load again: the custom scorer (reward.overlap_generation) and the agent environment
+        cfg.reward.custom.path = _absolute(cfg.reward.custom.path, files=True)
+        cfg.rollout.agent.path = _absolute(cfg.rollout.agent.path, files=True)
         check_model_folders(cfg, model_path, tokenizer)
         check_rollout_family(model_path, cfg.rollout.expert_parallel)
         check_resume(cfg, model_path)

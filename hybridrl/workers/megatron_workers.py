@@ -246,6 +246,7 @@ class ActorRolloutWorker(_TrainedRole):
         self.optimizer = build_optimizer(self.model.chunks, optim_config(actor.optim, optimizer_steps, m))
         self._setup_dp()
         self.rollout_dp_size, self.rollout_dp_rank, self.rollout_dp_group = rollout_replica_info(layout)
+        self.rollout_tp_rank = layout.rollout_coords(torch.distributed.get_rank()).tp
         # the tokenizer's and generation_config.json's EOS ids end responses too; an HF tokenizer's folder lets
         # vLLM match rollout.stop strings
         self.rollout = VLLMRolloutEngine.from_config(
@@ -279,9 +280,11 @@ class ActorRolloutWorker(_TrainedRole):
         if sampling.get("seed") is not None:
             n = sampling.get("n", self.rollout_cfg.n)
             sampling = {**sampling, "seed": sampling["seed"] + self.rollout_dp_rank * len(prompts) * n}
-        if reward_stream is not None:  # each response (or ended trajectory) scored as it finishes
+        if reward_stream is not None and reward_stream.scores_on(self.rollout_tp_rank):  # scored as each finishes
             n = int(sampling.get("n", self.rollout_cfg.n))
             sampling["on_step"] = self._reward_session = reward_stream.open(prompts, n, self.tokenizer)
+        elif reward_stream is not None:  # a Ray replica's TP peer: its first rank scores; the same engine path
+            sampling["on_step"] = lambda finished: None
         return (self.agent or self.rollout).generate(prompts, **sampling)
 
     @register(Dispatch.DP_COMPUTE, mesh="rollout")
@@ -290,6 +293,8 @@ class ActorRolloutWorker(_TrainedRole):
         :meth:`generate_sequences`, split as it was), in its rows' order; waits for the last ones. The session is
         the one :meth:`generate_sequences` opened here (under Ray each call gets its own copy of ``reward_stream``)."""
         session, self._reward_session = self._reward_session, None
+        if session is None and not reward_stream.scores_on(self.rollout_tp_rank):
+            return DataProto.from_dict({})  # a Ray replica's TP peer: the driver keeps its first rank's scores
         if session is None:
             raise RuntimeError("streamed_rewards: no reward stream was opened here; call generate_sequences first")
         return session.collect()

@@ -230,8 +230,8 @@ class RayWorkerGroup:
             except RayActorError:
                 self._raise_dead(ready, rank_of, method, wait_s=0)
             except RayTaskError as err:
-                cause = err.as_instanceof_cause()
-                if isinstance(cause, InputError):
+                cause = getattr(err, "cause", None)
+                if isinstance(cause, InputError):  # the host's own error: its one line, not Ray's traceback text
                     raise cause from None
                 text = str(getattr(err, "cause", err))
                 if is_peer_failure(getattr(err, "cause", err)) or _PEER_PATTERNS.search(text):

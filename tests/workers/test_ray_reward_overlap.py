@@ -8,6 +8,10 @@ counts, both > 0): the scores the hosts computed while generating are the driver
 overlap logs ``perf/reward_scored_during_generation``. (``agent/engine_steps`` is left out too: the loop's steps
 depend on when the environments' answers arrive, in either mode.) Single-turn (2 rollout replicas) and multi-turn
 (``tiny_cpu_agent.yaml``, ``guess_number``).
+
+The hosts rebuild the scorer inside ``generate_sequences``: one that loads on the driver but not on the hosts stops
+the run with one ``reward error:`` line naming the fix (not Ray's traceback). At rollout TP 2 (one engine over both
+hosts) the scorer is called once per response, by the replica's first host only, as the driver would call it.
 """
 
 from __future__ import annotations
@@ -34,13 +38,17 @@ AGENT = (
 )  # fmt: skip
 
 
-def _launch(out: Path, *overrides: str) -> list[dict]:
+def _train(out: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "hybridrl", "train", *overrides, "trainer.launcher=ray", "trainer.total_steps=2",
            "trainer.loggers=[jsonl]", "trainer.test_freq=-1", "trainer.save_freq=-1", "reward.timeout_s=1.0",
            f"trainer.default_local_dir={out}"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **(env or {})}
     env.update(OMP_NUM_THREADS="1", HYBRIDRL_DEMO_WARMUP_STEPS="20")
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+
+
+def _launch(out: Path, *overrides: str, env: dict[str, str] | None = None) -> list[dict]:
+    result = _train(out, *overrides, env=env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
 
@@ -57,3 +65,24 @@ def test_ray_overlap_matches_scoring_after(tmp_path, run):
         assert {k: (a_[k], b_[k]) for k in a_ if a_[k] != b_[k]} == {}
         assert 0 <= a["perf/reward_scored_during_generation"] <= 1 and "perf/reward_scored_during_generation" not in b
     assert sum(r["reward/errors"] for r in on) > 0 and sum(r["reward/timeouts"] for r in on) > 0, on
+
+
+def test_a_scorer_that_fails_to_load_on_the_hosts_stops_the_run_in_one_line(tmp_path):
+    scorer = Path(__file__).with_name("ray_host_fail_scorer.py")
+    result = _train(tmp_path, "tiny_cpu.yaml", *GRPO, f"reward.custom.path={scorer}")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and lines, (result.stdout + result.stderr)[-4000:]
+    assert lines[-1].startswith("reward error: on a rollout host: reward.custom.path") and "Traceback" not in lines[-1]
+    assert "JUDGE_API_KEY is not set on this node" in lines[-1], lines[-1]
+    assert lines[-1].endswith("set reward.overlap_generation=false to score on the driver"), lines[-1]
+    assert "RaySystemError" not in result.stderr
+
+
+def test_rollout_tp2_scores_each_response_once(tmp_path):
+    calls = tmp_path / "calls.txt"
+    scorer = Path(__file__).with_name("ray_count_scorer.py")
+    rows = _launch(tmp_path / "run", "tiny_cpu.yaml", *GRPO, f"reward.custom.path={scorer}", "rollout.tp_size=2",
+                   env={"HYBRIDRL_TEST_SCORER_CALLS": str(calls)})  # fmt: skip
+    pids = calls.read_text().split()
+    assert len(rows) == 2 and 0 <= rows[0]["perf/reward_scored_during_generation"] <= 1
+    assert len(pids) == 2 * 8 * 2 and len(set(pids)) == 1, sorted(set(pids))  # 2 steps x 8 prompts x n=2, one host
