@@ -7,9 +7,10 @@ through the trainer's own calls (``roles.build_actor`` from the HF checkpoint, `
 
 - ``1 rank x 1 thread``: the single-core baseline;
 - ``1 rank x 2 threads``: one process using both cores through intra-op threads;
-- ``TP2 x 1 thread, shm``: Megatron tensor parallelism, one rank per core, its all-reduces through shared memory
-  (``hybridrl.distributed.shm_allreduce``: what ``init_model_parallel`` sets up on CPU);
-- ``TP2 x 1 thread, gloo``: the same with the all-reduces on gloo (loopback TCP), the transport before it.
+- ``TP2 x 1 thread, gloo``: Megatron tensor parallelism, one rank per core, its all-reduces on gloo (loopback
+  TCP), the default;
+- ``TP2 x 1 thread, shm``: the same with the all-reduces through shared memory
+  (``hybridrl.distributed.shm_allreduce``, what ``HYBRIDRL_SHM_ALLREDUCE=1`` turns on; this bench sets it).
 
 The two 1-rank layouts alternate inside one launch (1, 2, 2, 1 threads), the two TP2 transports inside the 2-rank
 launch (shm, gloo, gloo, shm); ``--rounds`` repeats both launches, alternated, and each layout keeps its best
@@ -121,13 +122,18 @@ def _setup(world: int, tp: int, paths: dict, response: int):
     return fwd_bwd
 
 
-def _time(fn, reps: int) -> float:
+def _time(fn, reps: int, cpu: list | None = None) -> float:
+    """Median wall seconds of ``reps`` calls after a warm-up; ``cpu`` gets the process's CPU seconds per call
+    (every thread: gloo's, OMP's spinning workers), which the machine's other load disturbs far less."""
     fn()  # warm-up
     walls = []
+    start_cpu = time.process_time()
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         walls.append(time.perf_counter() - start)
+    if cpu is not None:
+        cpu.append((time.process_time() - start_cpu) / reps)
     return statistics.median(walls)
 
 
@@ -195,6 +201,7 @@ def _tp2(rank: int, world: int, paths: dict, args: dict) -> dict:
 
     from hybridrl.mcore import cpu_compat
 
+    os.environ[cpu_compat.SHM_ENV] = "1"  # both transports in this launch: shm routed, gloo by suspending it
     fwd_bwd = _setup(world, 2, paths, args["response"])
     flops = _flops(fwd_bwd)
     dist.barrier()
@@ -202,13 +209,14 @@ def _tp2(rank: int, world: int, paths: dict, args: dict) -> dict:
     transports = {"shm": contextlib.nullcontext, "gloo": cpu_compat.tp_all_reduce_on_gloo}
     if not cpu_compat.tp_all_reduce_stats():  # no shared memory here: gloo only
         transports.pop("shm")
-    out: dict = {"flops": flops, "peak": peak, "time": {t: [] for t in transports}, "comm": {}, "profile": {}}
+    out: dict = {"flops": flops, "peak": peak, "time": {t: [] for t in transports}, "cpu": {t: [] for t in transports},
+                 "comm": {}, "profile": {}}  # fmt: skip
     order = list(transports)
     for rnd in range(2):
         for name in order if rnd == 0 else order[::-1]:
             with transports[name]():
                 dist.barrier()
-                out["time"][name].append(_time(fwd_bwd, args["reps"]))
+                out["time"][name].append(_time(fwd_bwd, args["reps"], out["cpu"][name]))
     for name, ctx in transports.items():
         out["comm"][name] = _comm(fwd_bwd, name)
         if args["profile"]:
@@ -282,8 +290,9 @@ def main() -> None:
               f"{share:13.0f}%")  # fmt: skip
     for name, c in tp[0]["comm"].items():
         t_tp = best[f"TP2 x 1 thread, {name}"]
+        cpu = " / ".join(f"{min(r['cpu'][name]):.3f}" for r in tp)
         print(f"TP2 {name}: {c['calls']} all-reduces, {c['mib']:.1f} MiB, {c['seconds']:.3f} s inside the calls "
-              f"({100 * c['seconds'] / t_tp:.0f}% of the pass) on rank 0")  # fmt: skip
+              f"({100 * c['seconds'] / t_tp:.0f}% of the pass) on rank 0; CPU s/pass of rank 0 / 1: {cpu}")  # fmt: skip
     _print_profile(last)
     for name in tp[0]["time"]:
         t_tp = best[f"TP2 x 1 thread, {name}"]

@@ -16,9 +16,9 @@ patches, each of which is listed in docs/cpu_stack.md ("Megatron-Core on CPU"):
 8. (without TransformerEngine, CPU or GPU) the name MoE routing reads: :func:`define_missing_te_names`;
 9. (vLLM on CPU, applied by the rollout engine) vLLM's sampler counts token ranks eagerly:
    :func:`eager_vllm_token_ranks`;
-10. (TP > 1 on one host) Megatron's tensor-parallel all-reduces (``tensor_parallel.mappings`` and the linear
-    layers' input-gradient all-reduce) go through shared memory instead of gloo's loopback TCP:
-    :func:`route_tp_all_reduce`, called by ``hybridrl.mcore.parallel_state`` for the TP group.
+10. (TP > 1 on one host, opt-in: ``HYBRIDRL_SHM_ALLREDUCE=1``) Megatron's tensor-parallel all-reduces
+    (``tensor_parallel.mappings`` and the linear layers' input-gradient all-reduce) go through shared memory
+    instead of gloo's loopback TCP: :func:`route_tp_all_reduce`, called by ``hybridrl.mcore.parallel_state``.
 
 :func:`apply` is idempotent and does nothing when CUDA is available, so GPU runs are never patched.
 A test (``tests/test_house_rules.py``) fails if anything outside this module patches torch or megatron.
@@ -225,7 +225,9 @@ def eager_vllm_token_ranks(sampler_module: types.ModuleType) -> None:
 _TP_COMM_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers")
 _SHM_GROUPS: dict[Any, shm_allreduce.ShmAllReduce] = {}
 SHM_ENV = "HYBRIDRL_SHM_ALLREDUCE"
-"""Environment variable: ``0`` keeps the TP all-reduces on gloo (item 10); unset or ``1``: shared memory."""
+"""Environment variable: ``1`` sends the TP all-reduces through shared memory (item 10); unset or ``0``: gloo.
+Opt-in: bitwise gloo's numbers at two ranks and 4-5x faster per all-reduce, but no faster per training pass
+yet in ``bench/tp_scaling.py`` on a loaded 2-core machine (gloo overlaps its backward all-reduces)."""
 
 
 class _Completed:
@@ -275,10 +277,10 @@ def route_tp_all_reduce(group: Any) -> bool:
     (:mod:`hybridrl.distributed.shm_allreduce`): item 10. Collective over ``group``.
 
     Returns:
-        True when routed; False where the group keeps gloo (one rank, ranks on several hosts, no room in
-        ``/dev/shm``, or ``HYBRIDRL_SHM_ALLREDUCE=0``).
+        True when routed; False where the group keeps gloo (``HYBRIDRL_SHM_ALLREDUCE`` not ``1``, one rank,
+        ranks on several hosts, or no room in ``/dev/shm``).
     """
-    if os.environ.get(SHM_ENV, "1") == "0" or group is None:
+    if os.environ.get(SHM_ENV, "0") != "1" or group is None:
         return False
     comm = shm_allreduce.create(group)
     if comm is None:
