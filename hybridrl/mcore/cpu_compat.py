@@ -15,7 +15,10 @@ patches, each of which is listed in docs/cpu_stack.md ("Megatron-Core on CPU"):
 7. the model config settings that only work on CPU: :func:`cpu_config_overrides`;
 8. (without TransformerEngine, CPU or GPU) the name MoE routing reads: :func:`define_missing_te_names`;
 9. (vLLM on CPU, applied by the rollout engine) vLLM's sampler counts token ranks eagerly:
-   :func:`eager_vllm_token_ranks`.
+   :func:`eager_vllm_token_ranks`;
+10. (TP > 1 on one host, opt-in: ``HYBRIDRL_SHM_ALLREDUCE=1``) Megatron's tensor-parallel all-reduces
+    (``tensor_parallel.mappings`` and the linear layers' input-gradient all-reduce) go through shared memory
+    instead of gloo's loopback TCP: :func:`route_tp_all_reduce`, called by ``hybridrl.mcore.parallel_state``.
 
 :func:`apply` is idempotent and does nothing when CUDA is available, so GPU runs are never patched.
 A test (``tests/test_house_rules.py``) fails if anything outside this module patches torch or megatron.
@@ -26,10 +29,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import types
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from hybridrl.distributed import shm_allreduce
 
 _APPLIED = False
 
@@ -212,6 +219,101 @@ def eager_vllm_token_ranks(sampler_module: types.ModuleType) -> None:
     way; the eager form allocates one ``(n, vocab)`` bool tensor, which a CPU run affords.
     """
     sampler_module.batched_count_greater_than = _count_at_least
+
+
+# Megatron modules whose tensor-parallel all-reduces (``torch.distributed.all_reduce`` on the TP group) are routed
+_TP_COMM_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers")
+_SHM_GROUPS: dict[Any, shm_allreduce.ShmAllReduce] = {}
+SHM_ENV = "HYBRIDRL_SHM_ALLREDUCE"
+"""Environment variable: ``1`` sends the TP all-reduces through shared memory (item 10); unset or ``0``: gloo.
+Opt-in: bitwise gloo's numbers at two ranks and 4-5x faster per all-reduce, but no faster per training pass
+yet in ``bench/tp_scaling.py`` on a loaded 2-core machine (gloo overlaps its backward all-reduces)."""
+
+
+class _Completed:
+    """The handle of an ``async_op=True`` all-reduce that already ran (Megatron only calls ``wait()``)."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+
+def _routed_all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False):
+    comm = _SHM_GROUPS.get(group) if group is not None else None
+    if comm is None or not comm.accepts(tensor, op):
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    comm(tensor)  # synchronous: on one core per rank there is no idle compute to overlap it with
+    return _Completed() if async_op else None
+
+
+class _TpRoutedDistributed(types.ModuleType):
+    """``torch.distributed`` as a TP communication module sees it: ``all_reduce`` routed (item 10)."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.distributed")
+
+    def __getattr__(self, name: str) -> Any:
+        return _routed_all_reduce if name == "all_reduce" else getattr(dist, name)
+
+
+class _TpRoutedTorch(types.ModuleType):
+    """Stands in for ``torch`` inside one Megatron TP communication module: ``torch.distributed`` is routed."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.distributed = _TpRoutedDistributed()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def route_tp_all_reduce(group: Any) -> bool:
+    """Send Megatron's all-reduces over ``group`` (this rank's TP group) through shared memory
+    (:mod:`hybridrl.distributed.shm_allreduce`): item 10. Collective over ``group``.
+
+    Returns:
+        True when routed; False where the group keeps gloo (``HYBRIDRL_SHM_ALLREDUCE`` not ``1``, one rank,
+        ranks on several hosts, or no room in ``/dev/shm``).
+    """
+    if os.environ.get(SHM_ENV, "0") != "1" or group is None:
+        return False
+    comm = shm_allreduce.create(group)
+    if comm is None:
+        return False
+    _SHM_GROUPS[group] = comm
+    for name in _TP_COMM_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _TpRoutedTorch):
+            module.torch = _TpRoutedTorch()
+    return True
+
+
+def unroute_tp_all_reduce() -> None:
+    """Close the shared-memory all-reduces of :func:`route_tp_all_reduce` (before the groups are destroyed)."""
+    for comm in _SHM_GROUPS.values():
+        comm.close()
+    _SHM_GROUPS.clear()
+
+
+@contextlib.contextmanager
+def tp_all_reduce_on_gloo():
+    """While active, the routed TP all-reduces use gloo again (to compare the two transports in one process)."""
+    saved = dict(_SHM_GROUPS)
+    _SHM_GROUPS.clear()
+    try:
+        yield
+    finally:
+        _SHM_GROUPS.update(saved)
+
+
+def tp_all_reduce_stats() -> list[shm_allreduce.ShmStats]:
+    """The counters of each routed group's shared-memory all-reduce (empty when none is routed)."""
+    return [comm.stats for comm in _SHM_GROUPS.values()]
 
 
 def cpu_config_overrides() -> dict[str, Any]:

@@ -49,6 +49,7 @@ def initialize(layout: ParallelLayout, seed: int = 1234, timeout_s: float = 600.
         )
     on_cpu = cpu_compat.apply()
     if mpu.model_parallel_is_initialized():
+        cpu_compat.unroute_tp_all_reduce()
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
@@ -65,6 +66,8 @@ def initialize(layout: ParallelLayout, seed: int = 1234, timeout_s: float = 600.
     )
     _BUILT.update(layout=layout, replica_groups=replicas)
     apply_collective_timeout(timeout_s)  # also the few groups Megatron makes without its timeout
+    if on_cpu:  # opt-in: TP all-reduces through shared memory, not gloo's loopback TCP (docs/cpu_stack.md)
+        cpu_compat.route_tp_all_reduce(mpu.get_tensor_model_parallel_group())
     reseed(seed)
 
 
@@ -82,6 +85,7 @@ def reseed(seed: int) -> None:
 
 def destroy() -> None:
     """Tear down Megatron's groups (the default process group stays)."""
+    cpu_compat.unroute_tp_all_reduce()
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     _BUILT.clear()

@@ -1,0 +1,222 @@
+"""The shared-memory all-reduce of TP groups on one host (``hybridrl.distributed.shm_allreduce``).
+
+Two launches. Three ranks check the collective itself against an independent sum (every rank's input gathered
+with gloo's all-gather and added in rank order), on the 3-rank group and on a 2-rank subgroup (there also
+against gloo's own all-reduce, bitwise), across slot-sized pieces of odd sizes, dtypes, back-to-back rounds with
+random delays between them (the two alternating slot sets must never be overwritten while a slow peer reads
+them), and the cases it must leave to gloo. Two ranks run the actor update as the trainer does, with
+``HYBRIDRL_SHM_ALLREDUCE=1`` (``init_model_parallel`` at TP2, ``roles.build_actor`` from an HF checkpoint,
+``compute.forward_backward`` with ``ActorLoss``): Megatron's all-reduces must go through shared memory, give
+bitwise gloo's loss and gradients, and match a TP1 run of the same builders (data parallel over the two ranks,
+gradients summed) within fp32 tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.multirank
+TOL = 1e-5  # fp32
+
+
+def _gathered_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """The reference: every rank's ``x`` over gloo's all-gather, added in rank order."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    total = parts[0] + parts[1]
+    for part in parts[2:]:
+        total += part
+    return total
+
+
+def _same_everywhere(x: torch.Tensor, group) -> bool:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return all(torch.equal(p, parts[0]) for p in parts)
+
+
+def _collective_body(rank: int, world: int) -> dict:
+    import os
+    import random
+    import time
+
+    import torch.distributed as dist
+
+    from hybridrl.distributed import shm_allreduce
+    from hybridrl.mcore import cpu_compat
+
+    groups = {"world3": None, "pair": dist.new_group([0, 1]), "single": dist.new_group([2])}
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    out: dict = {"created": {}}
+    for name, group in groups.items():
+        in_group = group is None or dist.get_rank(group) >= 0
+        comm = shm_allreduce.create(group or dist.group.WORLD, slot_bytes=4096) if in_group else None
+        out["created"][name] = comm is not None
+        if comm is None:
+            continue
+        g = torch.Generator().manual_seed(rank)
+        checks = []
+        for numel, dtype in ((1, torch.float32), (1023, torch.float32), (5 * 1024 + 3, torch.float32),
+                             (3000, torch.bfloat16), (700, torch.float64), (0, torch.float32)):  # fmt: skip
+            x = torch.randn(numel, generator=g).to(dtype)
+            expected = _gathered_sum(x, comm.group)
+            comm(x)
+            same = _same_everywhere(x, comm.group)  # a collective: on every rank, whatever the comparison gives
+            checks.append(torch.equal(x, expected) and same)
+        # back to back, peers at different speeds: a round must not overwrite a slot a slow peer still reads
+        xs = [torch.randn(2500, generator=g) for _ in range(40)]
+        expected = [_gathered_sum(x, comm.group) for x in xs]
+        rng = random.Random(rank)
+        for x in xs:
+            if rng.random() < 0.5:
+                time.sleep(rng.random() * 0.003)
+            comm(x)
+        checks += [torch.equal(x, e) for x, e in zip(xs, expected, strict=True)]
+        out[name] = checks
+        if name == "pair":
+            x = torch.randn(3, 1031, generator=g)
+            y = x.clone()
+            comm(x)
+            dist.all_reduce(y, group=comm.group)
+            out["pair_equals_gloo"] = torch.equal(x, y)
+        out["refused"] = [comm.accepts(torch.ones(4, dtype=torch.int64)),
+                          comm.accepts(torch.ones(4), dist.ReduceOp.MAX),
+                          comm.accepts(torch.ones(4, 4).t())]  # fmt: skip
+        out["stats"] = (comm.stats.calls, comm.stats.bytes)
+    ours = f"hybridrl_allreduce_{pids[0]}_"  # rank 0 creates every file of this launch
+    out["files_left"] = [f for f in os.listdir(shm_allreduce.SHM_DIR) if f.startswith(ours)]
+    shm_allreduce_dir = shm_allreduce.SHM_DIR
+    shm_allreduce.SHM_DIR = "/nonexistent-shm-dir"  # rank 0 cannot create the file: every rank falls back
+    out["no_shm_dir"] = shm_allreduce.create(dist.group.WORLD) is None
+    shm_allreduce.SHM_DIR = shm_allreduce_dir
+    out["env_off"] = [cpu_compat.route_tp_all_reduce(dist.group.WORLD)]  # unset: gloo, the default
+    os.environ[cpu_compat.SHM_ENV] = "0"
+    out["env_off"].append(cpu_compat.route_tp_all_reduce(dist.group.WORLD))
+    return out
+
+
+@pytest.fixture(scope="module")
+def collective():
+    return run_ranks(_collective_body, 3, timeout=300)
+
+
+def test_sum_equals_the_gathered_sum_on_every_rank(collective):
+    for rank, r in enumerate(collective):
+        assert r["created"]["world3"] and r["world3"] and all(r["world3"]), (rank, r["world3"])
+    for rank in (0, 1):
+        assert collective[rank]["created"]["pair"] and all(collective[rank]["pair"]), collective[rank]["pair"]
+
+
+def test_two_ranks_give_gloo_bits_and_refuse_what_they_cannot_sum(collective):
+    for rank in (0, 1):
+        r = collective[rank]
+        assert r["pair_equals_gloo"]
+        assert r["refused"] == [False, False, False]
+        assert r["stats"][0] == 6 + 40 + 1
+
+
+def test_falls_back_where_shared_memory_cannot_serve(collective):
+    assert collective[2]["created"]["single"] is False  # a group of one: nothing to reduce
+    for r in collective:
+        assert r["no_shm_dir"] is True
+        assert r["env_off"] == [False, False]
+        assert r["files_left"] == [], "the mapped file must be unlinked once every rank holds it"
+
+
+def _batch(vocab: int, prompts: int = 4, n: int = 2, prompt: int = 6, response: int = 5) -> dict:
+    """GRPO-shaped rows: ``prompts`` prompts (left-padded, lengths differ) x ``n`` responses (right-padded)."""
+    g = torch.Generator().manual_seed(11)
+    b = prompts * n
+    ids = torch.zeros(b, prompt + response, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i in range(prompts):
+        p = torch.randint(1, vocab, (prompt - i % 3,), generator=g)
+        for j in range(i * n, (i + 1) * n):
+            r = response - j % 2
+            ids[j, prompt - len(p) : prompt] = p
+            ids[j, prompt : prompt + r] = torch.randint(1, vocab, (r,), generator=g)
+            mask[j, prompt - len(p) : prompt + r] = 1
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+            "responses": ids[:, prompt:].clone(), "response_mask": mask[:, prompt:].float(),
+            "advantages": torch.randn(b, response, generator=g), "old_log_probs": -5 + torch.randn(b, response),
+            "ref_log_probs": -5 + torch.randn(b, response)}  # fmt: skip
+
+
+def _update_body(rank: int, world: int, path: str, batch: dict) -> dict:
+    import os
+
+    import torch.distributed as dist
+
+    from hybridrl.algos.objectives import ActorLoss
+    from hybridrl.config.schema_roles import ActorConfig
+    from hybridrl.distributed import ParallelLayout, init_model_parallel
+    from hybridrl.mcore import compute, cpu_compat, roles
+    from tests.mcore.shards import gather_full
+
+    objective = ActorLoss(ActorConfig(use_kl_loss=True, kl_loss_coef=0.04, kl_loss_type="low_var_kl"))
+
+    def update(actor, rows):
+        head = compute.LogProbHead(with_entropy=True, vocab_size=actor.shape.vocab_size)
+        out = compute.forward_backward(actor.chunks, rows, objective, len(rows["input_ids"]), head=head,
+                                       share_prefix=None)  # fmt: skip
+        return out.loss, actor
+
+    os.environ[cpu_compat.SHM_ENV] = "1"  # the opt-in
+    init_model_parallel(ParallelLayout.from_world(world, tp=2), seed=1)
+    stats = cpu_compat.tp_all_reduce_stats()
+    actor = roles.build_actor(path)
+    loss_shm, _ = update(actor, batch)
+    grads_shm = gather_full(actor.chunks, "grad")
+    calls = stats[0].calls if stats else 0
+    for p in actor.parameters():
+        p.grad = None
+    with cpu_compat.tp_all_reduce_on_gloo():
+        loss_gloo, _ = update(actor, batch)
+    grads_gloo = gather_full(actor.chunks, "grad")
+    bitwise = loss_shm == loss_gloo and all(torch.equal(grads_shm[k], grads_gloo[k]) for k in grads_shm)
+    out = {"routed": len(stats), "calls": calls, "gloo_calls_after": stats[0].calls - calls if stats else -1,
+           "bitwise": bitwise}  # fmt: skip
+    init_model_parallel(ParallelLayout.from_world(world, tp=1), seed=1)  # DP2: half the rows on each rank
+    out["routed_tp1"] = len(cpu_compat.tp_all_reduce_stats())
+    half = len(batch["input_ids"]) // world
+    rows = {k: v[rank * half : (rank + 1) * half] for k, v in batch.items()}
+    loss_tp1, single = update(roles.build_actor(path), rows)
+    for p in single.parameters():  # what the optimizer does: sum over data-parallel ranks
+        dist.all_reduce(p.grad)
+    grads_tp1 = gather_full(single.chunks, "grad")
+    out["loss_diff"] = abs(loss_shm - loss_tp1)
+    out["grad_diff"] = max((grads_shm[k] - grads_tp1[k]).abs().max().item() for k in grads_tp1)
+    out["grad_scale"] = max(g.abs().max().item() for g in grads_tp1.values())
+    out["same_keys"] = sorted(grads_shm) == sorted(grads_tp1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def update(tmp_path_factory):
+    from tests.mcore import hf_tiny
+
+    path = hf_tiny.make_checkpoint("llama", str(tmp_path_factory.mktemp("shm_llama")))
+    return run_ranks(_update_body, 2, path, _batch(hf_tiny.VOCAB), timeout=600)
+
+
+def test_actor_update_at_tp2_goes_through_shared_memory(update):
+    for r in update:
+        assert r["routed"] == 1 and r["routed_tp1"] == 0, r
+        assert r["calls"] >= 4 * 4, r  # per layer: two forward all-reduces, two input-gradient ones
+        assert r["gloo_calls_after"] == 0, r  # tp_all_reduce_on_gloo really sent them to gloo
+
+
+def test_actor_update_equals_gloo_bitwise_and_tp1_within_fp32(update):
+    for r in update:
+        assert r["bitwise"], r
+        assert r["same_keys"]
+        assert r["loss_diff"] <= TOL, r
+        assert r["grad_diff"] <= TOL * max(1.0, r["grad_scale"]), r
