@@ -197,6 +197,12 @@ def main(spec_file: str, result_file: str) -> None:
     if dist.get_rank() == 0:
         torch.save(everyone, result_file)
     dist.barrier()
+    # As the trainer does: a gloo group still alive at interpreter exit can abort a rank in its C++ teardown
+    # ("terminate called without an active exception") after every check has passed.
+    from hybridrl.mcore import parallel_state
+
+    parallel_state.destroy()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
