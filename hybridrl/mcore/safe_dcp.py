@@ -1,8 +1,8 @@
 """``torch.distributed.checkpoint`` folders read without an unpickler: :class:`SafeFileSystemReader` and the checks.
 
-torch's :class:`~torch.distributed.checkpoint.FileSystemReader` unpickles in full twice: ``read_metadata`` calls
-``pickle.load`` on ``.metadata``, and every non-tensor item goes to the planner's ``load_bytes``
-(``torch.load(weights_only=False)``); its tensors go through the weights-only unpickler. This reader keeps its
+torch's :class:`~torch.distributed.checkpoint.FileSystemReader` runs a full unpickler twice: on ``.metadata``
+in ``read_metadata``, and on every non-tensor item in the planner's ``load_bytes``; its tensors go through
+torch's weights-only unpickler. This reader keeps its
 storage layout (``.metadata`` + ``.distcp`` shards, each item a ``torch.save`` archive at an offset) and replaces
 the three:
 
@@ -16,7 +16,7 @@ the three:
 
 :func:`check_torch_dcp` / :func:`check_dist_checkpoint` pass a folder through the same readers without loading
 tensors (every rank, before any rank loads: all refuse together). :func:`load_full_state` reads a whole folder
-into one process, in memory (what ``dcp_to_torch_save`` does, minus the ``torch.save`` / ``torch.load`` round trip).
+into one process, in memory (what ``dcp_to_torch_save`` does, minus its round trip through a ``torch.save`` file).
 """
 
 from __future__ import annotations
