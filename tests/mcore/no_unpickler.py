@@ -1,4 +1,5 @@
-"""Test helpers: every unpickler a disk read could reach made unreachable, and a strict equality of loaded values.
+"""Test helpers: every unpickler a disk read could reach made unreachable, a strict equality of loaded values, and
+DCP folders with a code-running pickle planted in them (:func:`plant_in_metadata`, :func:`plant_as_item`).
 
 :func:`unpickler_unreachable` replaces ``pickle.load`` / ``pickle.loads`` / ``pickle.Unpickler`` (and the pure-Python
 one), ``torch.load`` (``torch.serialization.load``) and torch's weights-only unpickler with functions that raise,
@@ -69,3 +70,32 @@ def assert_same(a: Any, b: Any, where: str = "value") -> None:
         assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), where
     else:
         assert a == b, f"{where}: {a!r:.60} vs {b!r:.60}"
+
+
+def plant_in_metadata(folder: Any, payload: Any) -> None:
+    """Put ``payload`` (a pickle that runs code) in the DCP folder's ``.metadata``, as its planner data."""
+    path = folder / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    metadata.planner_data = payload
+    path.write_bytes(pickle.dumps(metadata))
+
+
+def plant_as_item(folder: Any, payload: Any) -> str:
+    """Append ``payload`` to a shard of the DCP folder and point its first non-tensor item at it; the shard."""
+    import dataclasses
+    import io
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
+    index, info = next((i, s) for i, s in metadata.storage_data.items()
+                       if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))  # fmt: skip
+    data = io.BytesIO()
+    torch.save([payload], data)
+    shard = folder / info.relative_path
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(data.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(data.getvalue()))
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    return str(shard)

@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import io
 import os
 import pickle
 import warnings
@@ -27,7 +25,13 @@ import torch
 from hybridrl.mcore.checkpoint_safety import CorruptCheckpointError, UnsafeCheckpointError
 from hybridrl.mcore.safe_dcp import check_torch_dcp, load_full_state, read_dcp_metadata
 from hybridrl.mcore.torch_file import check_torch_file, load_torch_file
-from tests.mcore.no_unpickler import UnpicklerReachedError, assert_same, unpickler_unreachable
+from tests.mcore.no_unpickler import (
+    UnpicklerReachedError,
+    assert_same,
+    plant_as_item,
+    plant_in_metadata,
+    unpickler_unreachable,
+)
 
 
 class _Payload:
@@ -180,27 +184,11 @@ def test_dcp_folders_read_equal_to_torch_reader_with_no_unpickler(tmp_path):
 
 
 def _plant_metadata(folder, marker) -> None:
-    metadata = pickle.loads((folder / ".metadata").read_bytes())
-    metadata.planner_data = _Payload(str(marker))
-    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    plant_in_metadata(folder, _Payload(str(marker)))
 
 
 def _plant_item(folder, marker) -> str:
-    """A payload appended to a shard, a non-tensor item pointed at it; returns the shard."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    metadata = pickle.loads((folder / ".metadata").read_bytes())
-    index, info = next((i, s) for i, s in metadata.storage_data.items()
-                       if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))  # fmt: skip
-    data = io.BytesIO()
-    torch.save([_Payload(str(marker))], data)
-    shard = folder / info.relative_path
-    offset = shard.stat().st_size
-    with open(shard, "ab") as f:
-        f.write(data.getvalue())
-    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(data.getvalue()))
-    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
-    return str(shard)
+    return plant_as_item(folder, _Payload(str(marker)))
 
 
 def test_planted_dcp_folders_are_refused_by_the_check_and_the_reader(tmp_path):

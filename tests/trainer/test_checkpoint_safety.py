@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mcore.no_unpickler import assert_same, unpickler_unreachable
+from tests.mcore.no_unpickler import assert_same, plant_as_item, plant_in_metadata, unpickler_unreachable
 from tests.multirank import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,29 +94,12 @@ def _plant_pt(target: str, replaces: str | None = None):
 
 
 def _plant_metadata(step: Path, marker: str) -> None:
-    path = step / "actor" / "model" / ".metadata"
-    metadata = pickle.loads(path.read_bytes())
-    metadata.planner_data = _Payload(marker)
-    path.write_bytes(pickle.dumps(metadata))
+    plant_in_metadata(step / "actor" / "model", _Payload(marker))
 
 
 def _plant_item(step: Path, marker: str) -> None:
     """Append a payload to a .distcp file and point a non-tensor item (a layer's _extra_state) at it."""
-    import torch
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    folder = step / "critic" / "model"
-    metadata = pickle.loads((folder / ".metadata").read_bytes())
-    index, info = next((i, s) for i, s in metadata.storage_data.items()
-                       if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))  # fmt: skip
-    data = io.BytesIO()
-    torch.save([_Payload(marker)], data)
-    shard = folder / info.relative_path
-    offset = shard.stat().st_size
-    with open(shard, "ab") as f:
-        f.write(data.getvalue())
-    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(data.getvalue()))
-    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    plant_as_item(step / "critic" / "model", _Payload(marker))
 
 
 def _cut(*steps: str):
