@@ -9,9 +9,10 @@ PPO clip loss, one optimizer step per rollout, AdamW lr 1e-5, grad clip 1.0, fp3
 - baseline (what TRL's GRPOTrainer does without vLLM, written here with transformers alone, one process, all
   cores as torch threads): ``generate`` with sampling -> reward -> reference forward -> group advantages -> policy
   forward with grad + backward + clip + AdamW. No old-log-prob pass: with one step per rollout the ratio is 1.
-- hybridrl: ``torchrun -m hybridrl train`` (the real entry) on the same checkpoint, tokenizer, prompts (in order)
-  and reward (a custom scorer file), ``--nproc`` processes (default: 2 for tiny (DP2), 1 for small, as the issue's
-  best layouts), its stages from ``metrics.jsonl`` (``rollout`` includes the weight switch).
+- hybridrl: ``hybridrl train`` (the real entry: ``python -m hybridrl train`` for one process, under ``torchrun``
+  for more) on the same checkpoint, tokenizer, prompts (in order) and reward (a custom scorer file), ``--nproc``
+  processes (default: 2 for tiny (DP2), 1 for small, as the issue's best layouts), its stages from
+  ``metrics.jsonl`` (``rollout`` includes the weight switch).
 
 Both run as subprocesses of this script, alternated (HF first in odd rounds, hybridrl first in even ones), with
 ``--steps`` steps each; step 1 is a warm-up and is dropped. Per stage: seconds per step and hybridrl / HF; for the
@@ -182,8 +183,18 @@ def hf_worker(spec: dict) -> None:
 
 
 # ---- running the two sides -----------------------------------------------------------------------------------
-def _run(cmd: list[str], env: dict, log: str) -> tuple[float, float, float]:
-    """Run ``cmd``; (wall seconds, peak summed RSS GiB, peak summed PSS GiB of its process tree). Exits on failure.
+def _label(proc) -> str:
+    """A process of the tree by its role: ``rank N`` (a torchrun worker), else its program's name."""
+    try:
+        rank = proc.environ().get("RANK")
+    except Exception:  # psutil.Error and platforms without environ()
+        rank = None
+    return f"rank {rank}" if rank is not None else proc.name()
+
+
+def _run(cmd: list[str], env: dict, log: str) -> tuple[float, float, float, str]:
+    """Run ``cmd``; (wall seconds, peak summed RSS GiB, peak summed PSS GiB of its process tree, the PSS of each of
+    its processes at that peak). Exits on failure.
 
     RSS counts a page shared by n processes (libtorch's code, the files they map) n times; PSS counts 1/n of it
     in each, so the summed PSS is the memory the tree really holds. For one process the two differ only by pages
@@ -191,6 +202,7 @@ def _run(cmd: list[str], env: dict, log: str) -> tuple[float, float, float]:
     import psutil
 
     peak = [0.0, 0.0]
+    parts = [""]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         start = time.perf_counter()
@@ -200,9 +212,12 @@ def _run(cmd: list[str], env: dict, log: str) -> tuple[float, float, float]:
             while proc.poll() is None:
                 try:
                     tree = [root, *root.children(recursive=True)]
-                    infos = [p.memory_full_info() for p in tree if p.is_running()]
-                    peak[0] = max(peak[0], sum(i.rss for i in infos) / 2**30)
-                    peak[1] = max(peak[1], sum(i.pss for i in infos) / 2**30)
+                    infos = [(p, p.memory_full_info()) for p in tree if p.is_running()]
+                    peak[0] = max(peak[0], sum(i.rss for _, i in infos) / 2**30)
+                    pss = sum(i.pss for _, i in infos) / 2**30
+                    if pss > peak[1]:
+                        peak[1] = pss
+                        parts[0] = ", ".join(f"{_label(p)} {i.pss / 2**30:.2f}" for p, i in infos)
                 except psutil.Error:
                     pass
                 time.sleep(0.2)
@@ -214,7 +229,7 @@ def _run(cmd: list[str], env: dict, log: str) -> tuple[float, float, float]:
     if proc.returncode:
         with open(log) as f:
             sys.exit(f"failed (rc {proc.returncode}): {' '.join(cmd)}\n{f.read()[-5000:]}")
-    return time.perf_counter() - start, peak[0], peak[1]
+    return time.perf_counter() - start, peak[0], peak[1], parts[0]
 
 
 def run_hf(paths: dict, args, work: str, threads: int) -> dict:
@@ -224,9 +239,9 @@ def run_hf(paths: dict, args, work: str, threads: int) -> dict:
         json.dump(spec, f)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     cmd = [sys.executable, os.path.abspath(__file__), "--hf-worker", os.path.join(work, "hf_spec.json")]
-    wall, peak, pss = _run(cmd, env, os.path.join(work, "hf.log"))
+    wall, peak, pss, parts = _run(cmd, env, os.path.join(work, "hf.log"))
     with open(spec["out"]) as f:
-        return {"records": json.load(f), "peak_gb": peak, "pss_gb": pss, "wall": wall}
+        return {"records": json.load(f), "peak_gb": peak, "pss_gb": pss, "pss_parts": parts, "wall": wall}
 
 
 def run_trl(paths: dict, args, work: str, threads: int) -> dict:
@@ -239,10 +254,11 @@ def run_trl(paths: dict, args, work: str, threads: int) -> dict:
     site = os.path.abspath(args.trl_site)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join([site, ROOT])}
     cmd = [sys.executable, os.path.abspath(__file__), "--trl-worker", os.path.join(work, "trl_spec.json")]
-    wall, peak, pss = _run(cmd, env, os.path.join(work, "trl.log"))
+    wall, peak, pss, parts = _run(cmd, env, os.path.join(work, "trl.log"))
     with open(spec["out"]) as f:
         out = json.load(f)
-    return {"records": out["records"], "settings": out["settings"], "peak_gb": peak, "pss_gb": pss, "wall": wall}
+    mem = {"peak_gb": peak, "pss_gb": pss, "pss_parts": parts}
+    return {"records": out["records"], "settings": out["settings"], **mem, "wall": wall}
 
 
 def run_hybridrl(paths: dict, args, work: str, nproc: int, threads: int) -> dict:
@@ -266,13 +282,16 @@ def run_hybridrl(paths: dict, args, work: str, nproc: int, threads: int) -> dict
         f"trainer.total_steps={args.steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
         "trainer.loggers=[jsonl]", f"trainer.default_local_dir={out}", *args.hybridrl_override,
     ]  # fmt: skip
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m", "hybridrl", "train", "tiny_cpu_grpo.yaml"]
+    # One process is a plain `python -m hybridrl train` (a single rank needs no launcher: torchrun's agent would be
+    # one more process holding torch); more go through torchrun, as the launch scripts start them.
+    torchrun = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node"]
+    launcher = [sys.executable] if nproc == 1 else [*torchrun, str(nproc)]
+    cmd = [*launcher, "-m", "hybridrl", "train", "tiny_cpu_grpo.yaml"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    wall, peak, pss = _run(cmd + overrides, env, os.path.join(work, "hybridrl.log"))
+    wall, peak, pss, parts = _run(cmd + overrides, env, os.path.join(work, "hybridrl.log"))
     with open(os.path.join(out, "logs", "metrics.jsonl")) as f:
         records = [r for r in map(json.loads, f) if "timing_s/step" in r]
-    return {"records": records, "peak_gb": peak, "pss_gb": pss, "wall": wall}
+    return {"records": records, "peak_gb": peak, "pss_gb": pss, "pss_parts": parts, "wall": wall}
 
 
 def _mean(records: list[dict], key: str) -> float | None:
@@ -335,6 +354,7 @@ def table(sides: dict[str, dict], model: str, peak: float) -> list[str]:
     for label, key in (("peak RSS GiB", "peak_gb"), ("peak PSS GiB", "pss_gb")):
         lines.append(f"{label:14s}" + "".join(f" {r[key]:9.2f}" for r in sides.values())
                      + "".join(f" {hyb[key] / sides[k][key]:8.2f}x" for k in bases))  # fmt: skip
+    lines.append("(peak PSS GiB by process: " + "; ".join(f"{k}: {r['pss_parts']}" for k, r in sides.items()) + ")")
     if "trl" in sides:
         lines.append(f"(TRL settings: {sides['trl']['settings']})")
     return lines

@@ -4,7 +4,8 @@ Two launchers are understood:
 - ``torchrun`` (or any launcher that sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT);
 - ``srun`` under Slurm without torchrun (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_JOB_NODELIST);
   the rendezvous host is the first node of the job's node list.
-With neither, the process is a single rank (world size 1) on localhost.
+With neither, the process is a single rank (world size 1) on localhost, its rendezvous on a port that was free
+when it started (``MASTER_PORT`` if set), so single-process runs side by side do not collide.
 
 Collective timeout: :func:`init_distributed` gives the default group ``trainer.collective_timeout_s``, and every
 group made later must wait no longer (a stopped or dead peer then ends the job in that time, not in torch's 30
@@ -18,6 +19,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -105,6 +107,10 @@ def detect_env(environ: Mapping[str, str] | None = None) -> ProcessEnv:
         launcher = "slurm"
     else:
         rank, world, local_rank, local_world, addr, launcher = 0, 1, 0, 1, "127.0.0.1", "single"
+        if "MASTER_PORT" not in env:  # nobody else joins: any free port (init_distributed exports the one chosen)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
     if not 0 <= rank < world:
         raise LaunchError(f"rank ({rank}) must lie in [0, world_size={world}); check RANK/SLURM_PROCID")
     return ProcessEnv(rank, world, local_rank, local_world, addr, port, launcher)

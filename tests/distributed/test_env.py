@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from hybridrl.distributed import LaunchError, detect_env, expand_nodelist
@@ -68,6 +70,12 @@ def test_torchrun_wins_over_slurm():
 def test_single_process_default():
     env = detect_env({})
     assert (env.rank, env.world_size, env.launcher) == (0, 1, "single")
+    # a port the OS hands out as free (its ephemeral range), not torchrun's 29500 that a second single run or a
+    # torchrun job on the machine would already hold; MASTER_PORT still wins
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        assert detect_env({}).master_port not in (29500, held.getsockname()[1])
+    assert detect_env({"MASTER_PORT": "31000"}).master_port == 31000
 
 
 @pytest.mark.parametrize(
@@ -128,7 +136,6 @@ def test_srun_launch_exports_torchrun_variables():
     """A plain srun launch (no torchrun) gets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* exported: vLLM's
     external_launcher executor reads them from the environment."""
     import os
-    import socket
     import subprocess
     import sys
 
