@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         from hybridrl import console
 
         console.install()  # before Megatron / vLLM load: their known-harmless warnings stay off the console
+    if launched:
+        startup.keep_freed_memory()  # CPU runs: tensors reuse the heap instead of fresh pages every pass
     code = funnel(lambda: COMMANDS[command](rest))
     if launched:
         startup.finish_quickly()

@@ -12,7 +12,8 @@ A checkpoint part: :meth:`Tracker.state_dict` is the step its history ends at; l
 rows logged after that checkpoint out of ``metrics.jsonl`` (:meth:`Tracker.resumed_at`).
 
 ``StageTimer`` collects seconds per named stage of a step (``with timer("rollout"): ...``) as
-``timing_s/<stage>`` metrics, and the cores the process kept busy in it as ``perf/cpu_cores/<stage>``.
+``timing_s/<stage>`` metrics, the cores the process kept busy in it as ``perf/cpu_cores/<stage>`` and the pages it
+touched anew in it as ``perf/page_faults/<stage>``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import shutil
 import sys
 import time
@@ -48,28 +50,40 @@ CONSOLE_KEYS = (
 
 
 class StageTimer:
-    """Seconds per named stage, and the cores this process kept busy in it (its CPU time, every thread's, over the
-    stage's wall time: 2.0 on two cores is both busy, 1.0 one core or one waiting for the other half the time).
+    """Seconds per named stage, the cores this process kept busy in it (its CPU time, every thread's, over the
+    stage's wall time: 2.0 on two cores is both busy, 1.0 one core or one waiting for the other half the time), and
+    its minor page faults in it (memory touched for the first time since the kernel handed it over: a pass that
+    re-allocates its tensors from fresh pages shows tens of thousands; see
+    :func:`hybridrl.trainer.startup.keep_freed_memory`).
 
-    ``metrics()`` returns ``{'timing_s/<stage>': seconds, 'perf/cpu_cores/<stage>': cores}``.
+    ``metrics()`` returns ``{'timing_s/<stage>': seconds, 'perf/cpu_cores/<stage>': cores,
+    'perf/page_faults/<stage>': faults}``.
     """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.cpu_seconds: dict[str, float] = {}
+        self.faults: dict[str, int] = {}
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu, faults = time.perf_counter(), time.process_time(), _minor_faults()
         try:
             yield
         finally:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
             self.cpu_seconds[stage] = self.cpu_seconds.get(stage, 0.0) + time.process_time() - cpu
+            self.faults[stage] = self.faults.get(stage, 0) + _minor_faults() - faults
 
     def metrics(self) -> dict[str, float]:
         cores = {f"perf/cpu_cores/{k}": self.cpu_seconds[k] / v for k, v in self.seconds.items() if v > 0}
-        return {**{f"timing_s/{k}": v for k, v in self.seconds.items()}, **cores}
+        faults = {f"perf/page_faults/{k}": float(v) for k, v in self.faults.items()}
+        return {**{f"timing_s/{k}": v for k, v in self.seconds.items()}, **cores, **faults}
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far (every thread's)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _free_name(path: str) -> str:

@@ -39,6 +39,9 @@ class WorkerHost:
         from hybridrl import console
 
         console.install()  # before Megatron / vLLM load here: their known-harmless warnings, as under torchrun
+        from hybridrl.trainer import startup
+
+        startup.keep_freed_memory()  # CPU runs: the heap reused pass after pass, as a torchrun rank's
         threads = os.environ.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0:  # Ray imported torch before this actor's variables applied
             torch.set_num_threads(int(threads))
