@@ -106,7 +106,9 @@ def _setup(world: int, tp: int, paths: dict, response: int):
     from hybridrl.config.schema_roles import ActorConfig
     from hybridrl.distributed import ParallelLayout, init_model_parallel
     from hybridrl.mcore import compute, roles
+    from hybridrl.trainer import startup
 
+    startup.keep_freed_memory()  # as a launched rank: each pass reuses the heap (HYBRIDRL_KEEP_FREED_MEMORY=0: not)
     init_model_parallel(ParallelLayout.from_world(world, tp=tp), seed=1)
     actor = roles.build_actor(paths["model"])
     batch = _batch(paths, 16, 4, response)
