@@ -24,7 +24,6 @@
 #                      interpreter that creates it)                   default 0
 #   PYTHON             the environment's interpreter                  default <repo>/.venv/bin/python
 #   DRY_RUN            1: validate the config, then print the torchrun command instead of running it
-#                      (NPROC=1 on one node runs the rank itself, without torchrun: "single process: ...")
 #   HYBRIDRL_VERBOSE   1: every library warning and torchrun's own failure report  default 0
 set -euo pipefail
 
@@ -86,18 +85,10 @@ INPUTS=(--inputs)
 if [ "$DRY_RUN" = 1 ]; then INPUTS=(); fi
 "$PYTHON" -m hybridrl validate-config "${TRAIN_ARGS[@]}" "$@" --quiet "${INPUTS[@]}" "${RECIPE[@]}" >&2
 
-if [ "$NNODES" = 1 ] && [ "$NPROC" = 1 ]; then
-  # One rank needs no launcher: it is the whole job (its rendezvous on a free port unless MASTER_PORT is exported),
-  # and torchrun's agent would be one more process holding torch (~150 MiB) and a second of start-up.
-  CMD=("$PYTHON" -m hybridrl "$COMMAND" "${TRAIN_ARGS[@]}" "$@")
-  LABEL="single process"
-else
-  CMD=("$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m hybridrl "$COMMAND" "${TRAIN_ARGS[@]}" "$@")
-  LABEL=torchrun
-fi
+CMD=("$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m hybridrl "$COMMAND" "${TRAIN_ARGS[@]}" "$@")
 QUOTED=$(printf '%q ' "${CMD[@]}")
 if [ "$DRY_RUN" = 1 ]; then
-  echo "$LABEL: ${QUOTED% }"
+  echo "torchrun: ${QUOTED% }"
   exit 0
 fi
 echo "[torchrun.sh] ${QUOTED% }" >&2

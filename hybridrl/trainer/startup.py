@@ -84,11 +84,13 @@ def keep_freed_memory() -> bool:
     stay resident); at 32 tokens 7e4 -> 3e4 faults, the step within noise. The process's memory then stays at its
     peak until it exits, which a training process reaches every step anyway.
 
-    Left alone: GPU runs (their tensors are on the device; host memory that checkpoint staging frees is better
-    returned), allocators other than glibc's, ``GLIBC_TUNABLES`` that set ``glibc.malloc.*`` (the user's
-    choice), and :data:`KEEP_FREED_MEMORY_ENV` ``=0``. Call it early: blocks allocated before keep their kind.
+    Only the main heap: glibc still maps a block afresh that another thread asks for and that its thread heap
+    (64 MiB) cannot hold. Left alone: GPU runs (their tensors are on the device; host memory that checkpoint
+    staging frees is better returned), allocators other than glibc's, the user's own mmap or trim settings
+    (``GLIBC_TUNABLES`` ``glibc.malloc.mmap_*`` / ``trim_threshold`` / ``top_pad``, or the older ``MALLOC_*_``
+    variables), and :data:`KEEP_FREED_MEMORY_ENV` ``=0``. Call it early: blocks allocated before keep their kind.
     """
-    if os.environ.get(KEEP_FREED_MEMORY_ENV, "1") == "0" or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+    if os.environ.get(KEEP_FREED_MEMORY_ENV, "1") == "0" or _user_mmap_settings(os.environ):
         return False
     if not sys.platform.startswith("linux"):
         return False
@@ -103,3 +105,14 @@ def keep_freed_memory() -> bool:
     if torch.cuda.is_available():  # what init_distributed asks next anyway (it picks NCCL then)
         return False
     return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, -1))
+
+
+_MMAP_TUNABLES = ("glibc.malloc.mmap_max", "glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold",
+                  "glibc.malloc.top_pad")  # fmt: skip
+_MMAP_VARIABLES = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def _user_mmap_settings(environ: dict[str, str] | os._Environ) -> bool:
+    """True if ``environ`` sets glibc's mmap or trim behaviour itself (a tunable or an older variable)."""
+    tunables = {item.split("=", 1)[0] for item in environ.get("GLIBC_TUNABLES", "").split(":")}
+    return bool(tunables.intersection(_MMAP_TUNABLES)) or any(name in environ for name in _MMAP_VARIABLES)

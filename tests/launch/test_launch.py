@@ -168,26 +168,6 @@ def test_torchrun_launcher_trains_tiny_config(tmp_path):
 
 
 @pytest.mark.multirank
-def test_torchrun_launcher_runs_one_rank_without_torchrun(tmp_path):
-    """NPROC=1 on one node starts the rank itself (no torchrun agent holding torch beside it): GRPO at TP1 trains
-    a step, its rendezvous on a free port (no MASTER_PORT given)."""
-    out = tmp_path / "run"
-    overrides = ["actor.megatron.tp_size=1", "trainer.total_steps=1", f"trainer.default_local_dir={out}"]
-    overrides += ["trainer.test_freq=-1", "trainer.loggers=[jsonl]"]
-    env = _env(NPROC="1", CONFIG="tiny_cpu_grpo.yaml", OMP_NUM_THREADS="1")
-    dry = _bash("torchrun.sh", *overrides, env={**env, "DRY_RUN": "1"})
-    assert dry.returncode == 0, dry.stdout + dry.stderr
-    command = _line(dry.stdout, "single process: ")
-    assert command[:5] == [sys.executable, "-m", "hybridrl", "train", "tiny_cpu_grpo.yaml"], command
-    result = _bash("torchrun.sh", *overrides, env=env, timeout=900)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    assert "torch.distributed.run" not in result.stderr and " -m hybridrl train tiny_cpu_grpo.yaml " in result.stderr
-    history = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in history] == [1] and "actor/loss" in history[0], history
-    assert result.stdout.strip().splitlines()[-1].startswith("[hybridrl] done: 1 steps in "), result.stdout[-2000:]
-
-
-@pytest.mark.multirank
 def test_torchrun_launcher_runs_the_recipes(tmp_path):
     """``launch/torchrun.sh sft`` trains its packaged config (2 ranks, the demo task) through ``hybridrl sft``; a
     bad DPO override and a missing model folder stop before torchrun starts, in one line, exit 2."""

@@ -125,3 +125,21 @@ def test_stage_timer_counts_busy_cores():
     assert m["timing_s/spin"] >= 0.2 and m["timing_s/sleep"] >= 0.2
     # one thread: at most one core (less on a loaded machine, which deschedules it); a sleep keeps none busy
     assert m["perf/cpu_cores/sleep"] < 0.05 < m["perf/cpu_cores/spin"] <= 1.1
+
+
+def test_stage_timer_counts_page_faults():
+    import mmap
+
+    timer = StageTimer()
+    pages = 4096  # 16 MiB of fresh anonymous memory, in 4 KiB pages (no huge pages for it)
+    memory = mmap.mmap(-1, pages * mmap.PAGESIZE)
+    memory.madvise(mmap.MADV_NOHUGEPAGE)
+    with timer("touch"):
+        for page in range(pages):
+            memory[page * mmap.PAGESIZE] = 1
+    with timer("again"):  # the same pages: already there
+        for page in range(pages):
+            memory[page * mmap.PAGESIZE] = 2
+    m = timer.metrics()
+    assert pages <= m["perf/page_faults/touch"] < pages + 500, m
+    assert m["perf/page_faults/again"] < 100, m
