@@ -75,6 +75,13 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
+def free_port() -> int:
+    """A TCP port that was free a moment ago on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _int(environ: Mapping[str, str], key: str) -> int:
     value = environ[key]
     try:
@@ -108,9 +115,7 @@ def detect_env(environ: Mapping[str, str] | None = None) -> ProcessEnv:
     else:
         rank, world, local_rank, local_world, addr, launcher = 0, 1, 0, 1, "127.0.0.1", "single"
         if "MASTER_PORT" not in env:  # nobody else joins: any free port (init_distributed exports the one chosen)
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
     if not 0 <= rank < world:
         raise LaunchError(f"rank ({rank}) must lie in [0, world_size={world}); check RANK/SLURM_PROCID")
     return ProcessEnv(rank, world, local_rank, local_world, addr, port, launcher)

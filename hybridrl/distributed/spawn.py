@@ -13,19 +13,13 @@ from __future__ import annotations
 import io
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hybridrl.distributed.env import free_port
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: Any, timeout: float) -> None:

@@ -39,7 +39,7 @@ def driver_world() -> bool:
     made it."""
     import torch.distributed as dist
 
-    from hybridrl.distributed.spawn import free_port
+    from hybridrl.distributed.env import free_port
 
     if dist.is_initialized():
         return False

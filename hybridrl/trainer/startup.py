@@ -20,6 +20,7 @@ import ctypes
 import gc
 import os
 import sys
+from collections.abc import Mapping
 
 _paused = False
 
@@ -112,7 +113,7 @@ _MMAP_TUNABLES = ("glibc.malloc.mmap_max", "glibc.malloc.mmap_threshold", "glibc
 _MMAP_VARIABLES = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
-def _user_mmap_settings(environ: dict[str, str] | os._Environ) -> bool:
+def _user_mmap_settings(environ: Mapping[str, str]) -> bool:
     """True if ``environ`` sets glibc's mmap or trim behaviour itself (a tunable or an older variable)."""
     tunables = {item.split("=", 1)[0] for item in environ.get("GLIBC_TUNABLES", "").split(":")}
     return bool(tunables.intersection(_MMAP_TUNABLES)) or any(name in environ for name in _MMAP_VARIABLES)
