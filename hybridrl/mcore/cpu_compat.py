@@ -18,7 +18,9 @@ patches, each of which is listed in docs/cpu_stack.md ("Megatron-Core on CPU"):
    :func:`eager_vllm_token_ranks`;
 10. (TP > 1 on one host, opt-in: ``HYBRIDRL_SHM_ALLREDUCE=1``) Megatron's tensor-parallel all-reduces
     (``tensor_parallel.mappings`` and the linear layers' input-gradient all-reduce) go through shared memory
-    instead of gloo's loopback TCP: :func:`route_tp_all_reduce`, called by ``hybridrl.mcore.parallel_state``.
+    instead of gloo's loopback TCP: :func:`route_tp_all_reduce`, called by ``hybridrl.mcore.parallel_state``;
+11. (vLLM on CPU, applied by the rollout engine) vLLM's CPU sampler draws one number per row instead of one per
+    vocabulary entry: :func:`vllm_cpu_inverse_cdf_sampling`.
 
 :func:`apply` is idempotent and does nothing when CUDA is available, so GPU runs are never patched.
 A test (``tests/test_house_rules.py``) fails if anything outside this module patches torch or megatron.
@@ -219,6 +221,36 @@ def eager_vllm_token_ranks(sampler_module: types.ModuleType) -> None:
     way; the eager form allocates one ``(n, vocab)`` bool tensor, which a CPU run affords.
     """
     sampler_module.batched_count_greater_than = _count_at_least
+
+
+def vllm_cpu_inverse_cdf_sampling(topk_module: types.ModuleType) -> None:
+    """Make vLLM's CPU sampler (``topk_module``: ``vllm.v1.sample.ops.topk_topp_sampler``, passed in by the rollout
+    engine) draw tokens with :func:`hybridrl.ops.sampling.categorical_sample`.
+
+    The real behaviour: vllm 0.32's ``TopKTopPSampler.forward_cpu`` applies top-k / top-p, computes the log-probs
+    the engine returns (``logprobs_mode``), then samples with ``fused_gumbel_argmax``, a kernel that draws and
+    transforms a random number for every vocabulary entry of every row: 10% of an engine step of the 23.7M bench
+    model. The replacement keeps the first two steps and draws the same distribution from one number per row
+    (seeded requests from their own generators, as vLLM's); ``use_fp64_gumbel`` keeps vLLM's own path. Set on the
+    class before the engine is built (each sampler binds ``forward`` at construction).
+    """
+    from hybridrl.ops.sampling import categorical_sample
+
+    cls = topk_module.TopKTopPSampler
+    if getattr(cls.forward_cpu, "hybridrl", False):
+        return
+    vllm_forward_cpu = cls.forward_cpu
+
+    def forward_cpu(self: Any, logits: torch.Tensor, generators: dict, k: Any, p: Any) -> tuple[torch.Tensor, Any]:
+        if self.use_fp64_gumbel:
+            return vllm_forward_cpu(self, logits, generators, k, p)
+        logits = topk_module.apply_top_k_top_p(logits, k, p)
+        logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
+        returned = {"processed_logits": logits, "processed_logprobs": logprobs}.get(self.logprobs_mode)
+        return categorical_sample(logprobs, generators), returned
+
+    forward_cpu.hybridrl = True
+    cls.forward_cpu = forward_cpu
 
 
 # Megatron modules whose tensor-parallel all-reduces (``torch.distributed.all_reduce`` on the TP group) are routed

