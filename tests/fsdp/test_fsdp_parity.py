@@ -5,7 +5,8 @@ over both, Megatron TP 1 x DP 2, so both split each batch alike.
 - reference: FSDP log-probs == Megatron log-probs == HF transformers' (left-padded batch, attention mask and
   position ids, at the rollout temperature 0.7), <= 1e-5;
 - critic: values before, after one ``update_critic`` (2 optimizer steps, clipped: grad norm ~20 > clip_grad 1)
-  and after a second one equal the Megatron critic's from the same HF folder (nonzero value head), <= 1e-5; the
+  and after a second one equal the Megatron critic's from the same HF folder (nonzero value head): <= 1e-5 before,
+  |diff| / (1 + |value|) <= 1e-5 after the updates (each Adam step carries fp32 reduction-order noise); the
   losses and grad norms too;
 - checkpoint: the FSDP critic saved by the CheckpointManager after the first update and resumed into a fresh
   group, with every unpickler unreachable (``pickle.load``, ``torch.load`` and torch's weights-only unpickler
@@ -134,6 +135,15 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float((a - b)[mask].abs().max())
 
 
+def _max_scaled_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    """max |a - b| / (1 + |b|): 1e-5 here is allclose's rtol = atol = 1e-5.
+
+    Values after Adam updates at lr 1e-2 carry the fp32 reduction-order noise of every step (FSDP reduce-scatters,
+    Megatron all-reduces): measured 4e-6 after one update, 7e-6 to 1.1e-5 after two, on values of magnitude ~2.
+    A wrong gradient or optimizer state moves them by 1e-2 or more."""
+    return float(((a - b).abs() / (1 + b.abs()))[mask].max())
+
+
 def test_fsdp_roles_match_megatron_and_hf(tmp_path):
     lm = hf_tiny.make_checkpoint("llama", str(tmp_path / "lm"), seed=4)
     score = hf_tiny.make_checkpoint("llama", str(tmp_path / "score"), seed=5, score=True)  # a nonzero value head
@@ -148,13 +158,15 @@ def test_fsdp_roles_match_megatron_and_hf(tmp_path):
         "ref fsdp-hf": _max_diff(fsdp["log_probs"], hf, mask),
         "ref megatron-hf": _max_diff(meg["log_probs"], hf, mask),
         **{f"{k} fsdp-megatron": _max_diff(fsdp[k], meg[k], mask) for k in ("values0", "values1", "values2")},
+        **{f"{k} fsdp-megatron scaled": _max_scaled_diff(fsdp[k], meg[k], mask) for k in ("values1", "values2")},
     }
-    print("max abs differences:", {k: f"{v:.1e}" for k, v in diffs.items()})  # shown with pytest -s
+    print("max differences:", {k: f"{v:.1e}" for k, v in diffs.items()})  # shown with pytest -s
     assert _max_diff(fsdp["log_probs"], hf, mask) <= 1e-5
     assert _max_diff(meg["log_probs"], hf, mask) <= 1e-5
     assert _max_diff(fsdp["log_probs"], meg["log_probs"], mask) <= 1e-5
-    for key in ("values0", "values1", "values2"):
-        assert _max_diff(fsdp[key], meg[key], mask) <= 1e-5, key
+    assert _max_diff(fsdp["values0"], meg["values0"], mask) <= 1e-5
+    for key in ("values1", "values2"):
+        assert _max_scaled_diff(fsdp[key], meg[key], mask) <= 1e-5, key
     assert _max_diff(fsdp["values2"], fsdp["values0"], mask) > 0.1  # the updates moved the values
     for key in ("metrics1", "metrics2"):
         for name in ("critic/loss", "critic/grad_norm", "critic/lr", "critic/vf_clipfrac"):
@@ -166,8 +178,8 @@ def test_fsdp_roles_match_megatron_and_hf(tmp_path):
     assert torch.equal(got[0]["resumed_values2"], fsdp["values2"])
 
     one = run_ranks(_one_rank, 1, lm, score, ckpt, batch, timeout=600)[0]
-    assert _max_diff(one["values1"], fsdp["values1"], mask) <= 1e-5
-    assert _max_diff(one["values2"], fsdp["values2"], mask) <= 1e-5
+    assert _max_diff(one["values1"], fsdp["values1"], mask) <= 1e-5  # the same saved weights, one forward
+    assert _max_scaled_diff(one["values2"], fsdp["values2"], mask) <= 1e-5
     assert one["metrics2"]["critic/loss"] == pytest.approx(fsdp["metrics2"]["critic/loss"], rel=1e-5)
 
     _check_same_as_torch_reader(os.path.join(ckpt, "global_step_1", "critic", "state"))
