@@ -25,7 +25,7 @@ pytestmark = pytest.mark.multirank
 SCORER = Path(__file__).with_name("overlap_scorer.py")
 RUN = [
     "tiny_cpu.yaml", "trainer.n_gpus_per_node=2", "trainer.loggers=[jsonl]", "trainer.test_freq=-1",
-    "trainer.total_steps=1", "algorithm.adv_estimator=grpo", "rollout.n=2", "critic.enable=false",
+    "trainer.total_steps=1", "algorithm.adv_estimator=grpo", "rollout.n=4", "critic.enable=false",
     "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false", "actor.ppo_mini_batch_size=4",
     "data.max_response_length=16", f"reward.custom.path={SCORER}", "reward.timeout_s=1.0",
 ]  # fmt: skip
