@@ -89,8 +89,9 @@ class LogProbHead:
             )
         logits = _at_responses(output, micro_batch)
         group = mpu.get_tensor_model_parallel_group()
+        # the model output is read here only: its backward may overwrite it with its gradient (one fewer rows x V)
         logp, ent = vocab_parallel.log_probs_and_entropy(
-            logits, micro_batch["responses"], group, self.temperature, self.vocab_size
+            logits, micro_batch["responses"], group, self.temperature, self.vocab_size, grad_into_logits=True
         )
         return {"log_probs": logp, "entropy": ent} if self.with_entropy else {"log_probs": logp}
 

@@ -19,6 +19,12 @@ the input gradient):
 
 Two collectives per call (forward), none in backward. Computation is in fp32 for 16-bit logits (fp64
 stays fp64); gradients are returned in the logits dtype. Pure ``torch.distributed``: no Megatron import, any group.
+
+The logits are the largest tensor of a small model's update (rows x V/tp); the backward needs them once more and
+then never again. With ``grad_into_logits=True`` it writes the gradient into the logits' own memory, chunk by chunk
+after reading each, so the update holds one such tensor instead of two. The logits then hold the gradient after
+the backward: the caller must not read them again, and autograd raises ("modified by an inplace operation") if
+another function saved them for its own backward.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, n_valid, temperature):
+    def forward(ctx, logits, target, group, vocab_start, n_valid, temperature, grad_into_logits):
         world = _group_size(group)
         local_vocab = logits.shape[-1]
         compute = torch.promote_types(logits.dtype, torch.float32)
@@ -92,6 +98,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         mean_x = sum_ex / sum_e
         ctx.save_for_backward(logits, m, log_z, mean_x, idx, owned)
         ctx.n_valid, ctx.temperature, ctx.compute = n_valid, temperature, compute
+        ctx.grad_into_logits = grad_into_logits
         ctx.set_materialize_grads(False)
         shape = logits.shape[:-1]
         return (x_target - log_z).reshape(shape), (log_z - mean_x).reshape(shape)
@@ -103,13 +110,22 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         local_vocab = logits.shape[-1]
         flat = logits.reshape(-1, local_vocab)
         rows = flat.shape[0]
-        make = torch.zeros if n_valid < local_vocab else torch.empty  # padded columns get no gradient
-        grad = make(rows, local_vocab, dtype=logits.dtype, device=logits.device)
+        nones = (None,) * 6
+        # the logits' memory, when the caller gave it up and no graph of this backward could still need it
+        reuse = ctx.grad_into_logits and logits.is_contiguous() and not torch.is_grad_enabled()
         if grad_logp is None and grad_entropy is None:
-            return grad.reshape(logits.shape), None, None, None, None, None
+            grad = flat.zero_() if reuse else torch.zeros_like(flat)
+            return grad.reshape(logits.shape), *nones
+        if reuse:
+            grad = flat
+            grad[:, n_valid:].zero_()  # padded columns get no gradient
+        else:
+            make = torch.zeros if n_valid < local_vocab else torch.empty
+            grad = make(rows, local_vocab, dtype=logits.dtype, device=logits.device)
         g_lp = grad_logp.reshape(-1).to(compute) if grad_logp is not None else None
         g_ent = grad_entropy.reshape(-1).to(compute) if grad_entropy is not None else None
         in_place = compute == logits.dtype  # x is computed in the gradient's own memory: no copy at the end
+        # (with ``reuse`` that memory is the chunk's logits, read by the same elementwise op that overwrites them)
         for c in _chunks(rows, n_valid) if n_valid > 0 else []:
             x = _shifted(flat[c, :n_valid], m[c], temperature, compute, out=grad[c, :n_valid] if in_place else None)
             # d log p(t) / dx_j = 1[j = t] - p_j;  dH / dx_j = -p_j ((x_j - m) - S / Z);  then / temperature
@@ -126,8 +142,8 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             if temperature != 1.0:
                 out.div_(temperature)
             if not in_place:
-                grad[c, :n_valid] = out
-        return grad.reshape(logits.shape), None, None, None, None, None
+                grad[c, :n_valid] = out  # after the chunk's logits were read: the next chunk's are untouched
+        return grad.reshape(logits.shape), *nones
 
 
 def _shifted(
@@ -147,6 +163,7 @@ def log_probs_and_entropy(
     group: ProcessGroup | None = None,
     temperature: float = 1.0,
     vocab_size: int | None = None,
+    grad_into_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of ``target`` and the entropy of the softmax, from this rank's vocabulary slice.
 
@@ -158,6 +175,8 @@ def log_probs_and_entropy(
         temperature: logits are divided by it first (the sampling temperature of the rollout).
         vocab_size: the true vocabulary size when the model's vocabulary is padded to ``V > vocab_size``;
             ids ``>= vocab_size`` are left out of the softmax. ``None``: no padding.
+        grad_into_logits: the backward writes the gradient into ``logits``' memory (contiguous logits, one
+            backward); ``logits`` are not to be read after it (module docs). False: a new tensor.
 
     Returns:
         ``(log_probs, entropy)``, each ``(...)`` fp32 (fp64 for fp64 logits), differentiable w.r.t. ``logits``.
@@ -171,7 +190,9 @@ def log_probs_and_entropy(
     n_valid = local_vocab
     if vocab_size is not None:
         n_valid = min(max(vocab_size - vocab_start, 0), local_vocab)
-    return _VocabParallelLogProbEntropy.apply(logits, target, group, vocab_start, n_valid, float(temperature))
+    return _VocabParallelLogProbEntropy.apply(
+        logits, target, group, vocab_start, n_valid, float(temperature), grad_into_logits
+    )
 
 
 def log_probs(

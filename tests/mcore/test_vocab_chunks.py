@@ -6,6 +6,10 @@ last 6 columns out of the softmax) and without. Reference: ``torch.log_softmax``
 Log-probs, entropy and the gradient of a loss that uses both, only the log-probs (the entropy's gradient never
 arrives) or only the entropy, within 1e-6 relative to max(1, |value|); the chunked results equal the one-chunk
 results within 1e-7.
+
+With ``grad_into_logits`` (what the trainer's ``LogProbHead`` passes) the backward writes the gradient into the
+logits' memory: the gradient is bitwise the one of a fresh tensor (fp32 and bf16 logits, padded or not), lies
+in the logits' storage, and a second function that saved the same logits raises instead of reading the gradient.
 """
 
 from __future__ import annotations
@@ -55,3 +59,43 @@ def test_chunked_head_equals_log_softmax(vocab_size, uses, monkeypatch):
         assert not chunked[2][:, vocab_size:].any()
     for a, b in zip(chunked, whole, strict=True):
         assert (a - b).abs().max().item() < 1e-7
+
+
+def _leaf_grad(logits, target, vocab_size, w_lp, w_ent, reuse: bool, seen: dict):
+    leaf = logits.clone().requires_grad_(True)
+    logits = leaf * 1.0  # a non-leaf, as the output layer's output is
+    logits.register_hook(lambda g: seen.update(storage=g.untyped_storage().data_ptr()))
+    lp, ent = vocab_parallel.log_probs_and_entropy(logits, target, None, TEMPERATURE, vocab_size, reuse)
+    loss = sum(w * v for w, v in ((w_lp, lp), (w_ent, ent)) if w is not None).sum()
+    loss.backward()
+    return leaf.grad, logits.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab_size", [None, VOCAB - 6])
+@pytest.mark.parametrize("uses", ["both", "log_probs"])
+def test_gradient_into_logits_equals_a_fresh_gradient(dtype, vocab_size, uses, monkeypatch):
+    monkeypatch.setattr(vocab_parallel, "CHUNK_ELEMENTS", 4 * VOCAB)  # several chunks: each read before overwritten
+    g = torch.Generator().manual_seed(5)
+    logits = (4 * torch.randn(ROWS, VOCAB, generator=g)).to(dtype)
+    target = torch.randint(0, vocab_size or VOCAB, (ROWS,), generator=g)
+    w_lp = torch.randn(ROWS, generator=g)
+    w_ent = torch.randn(ROWS, generator=g) if uses == "both" else None
+    fresh_seen, reuse_seen = {}, {}
+    fresh, fresh_ptr = _leaf_grad(logits, target, vocab_size, w_lp, w_ent, False, fresh_seen)
+    reused, reuse_ptr = _leaf_grad(logits, target, vocab_size, w_lp, w_ent, True, reuse_seen)
+    assert torch.equal(fresh, reused)
+    assert reuse_seen["storage"] == reuse_ptr and fresh_seen["storage"] != fresh_ptr
+    if vocab_size is not None:
+        assert not reused[:, vocab_size:].any()
+
+
+def test_gradient_into_logits_fails_loudly_when_the_logits_are_needed_again():
+    g = torch.Generator().manual_seed(6)
+    leaf = torch.randn(ROWS, VOCAB, generator=g).requires_grad_(True)
+    logits = leaf * 1.0
+    target = torch.randint(0, VOCAB, (ROWS,), generator=g)
+    first = vocab_parallel.log_probs(logits, target)  # saves the same logits: its backward runs second
+    second, _ = vocab_parallel.log_probs_and_entropy(logits, target, grad_into_logits=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (first + second).sum().backward()
