@@ -45,8 +45,9 @@ def categorical_sample(
     count = blocks.shape[1]
     ends = blocks.sum(-1).to(torch.float64).cumsum_(-1)  # (rows, count): mass up to the end of each block
     u = torch.rand(rows, 1, dtype=torch.float64)
-    for row, generator in (generators or {}).items():
-        u[row] = torch.rand(1, dtype=torch.float64, generator=generator)
+    if generators:  # one write for all seeded rows: a per-row write costs more than the draw (every row, at TP > 1)
+        drawn = [torch.rand(1, dtype=torch.float64, generator=generator) for generator in generators.values()]
+        u[torch.tensor(list(generators), dtype=torch.long)] = torch.cat(drawn).unsqueeze(1)
     # (1 - u) is in (0, 1]: the target mass is > 0, so the first entry reaching it has a probability > 0
     target = (1.0 - u) * ends[:, -1:]
     chosen = torch.searchsorted(ends, target).clamp_(max=count - 1)
