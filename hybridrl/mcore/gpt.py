@@ -22,6 +22,7 @@ Every chunk built here carries what the rest of the stack reads from the model r
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from collections.abc import Callable, Iterable
@@ -51,6 +52,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from hybridrl.mcore import cpu_compat, moe, vocab_parallel
 from hybridrl.mcore.parallel_state import p2p_settings
+from hybridrl.mcore.swiglu import swiglu
 
 VOCAB_DIVISOR = 64  # Megatron's make_vocab_size_divisible_by default
 VOCAB_ATTR = "hybridrl_vocab_size"
@@ -141,6 +143,21 @@ def layer_spec(shape: GPTShape, transformer_engine: bool | None = None) -> Modul
     return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
 
 
+def swiglu_module(shape: GPTShape, transformer_engine: bool, settings: dict[str, Any]) -> bool:
+    """Whether the MLP computes its gated unit with :func:`hybridrl.mcore.swiglu.swiglu`: a dense model on
+    Megatron's local spec with a plain SwiGLU (no linear offset, no clamp, no jit-fused kernel)."""
+    return (
+        not transformer_engine
+        and shape.moe is None
+        and settings.get("activation_func", F.silu) is F.silu
+        and settings.get("gated_linear_unit", True)
+        and not settings.get("bias_activation_fusion", False)
+        and settings.get("glu_linear_offset", 0.0) == 0.0
+        and settings.get("activation_func_clamp_value") is None
+        and settings.get("use_te_activation_func", True) is not False
+    )
+
+
 def make_config(shape: GPTShape, dtype: torch.dtype = torch.float32, **overrides: Any) -> TransformerConfig:
     """A ``TransformerConfig`` for ``shape`` on the current Megatron parallel state.
 
@@ -177,6 +194,8 @@ def make_config(shape: GPTShape, dtype: torch.dtype = torch.float32, **overrides
         kwargs.update(cpu_compat.cpu_config_overrides())
     if shape.moe is not None:
         kwargs.update(moe.config_overrides(shape.moe))
+    if swiglu_module(shape, use_transformer_engine(), {**kwargs, **overrides}):
+        kwargs["use_te_activation_func"] = True  # Megatron's switch for an activation submodule: the spec's swiglu
     if overrides.get("batch_p2p_comm") and not p2p_settings()["batch_p2p_comm"]:
         raise ValueError(
             "actor.megatron.batch_p2p_comm (True) gives silently wrong pipeline activations on gloo "
@@ -194,6 +213,17 @@ def build_model_chunks(shape: GPTShape, config: TransformerConfig) -> list[GPTMo
     """
     te = use_transformer_engine()
     spec = layer_spec(shape, te)
+    if config.use_te_activation_func and not te:
+        if shape.moe is not None:  # Megatron's experts would apply F.silu to the whole [gate | up]
+            raise ValueError("use_te_activation_func (True) needs TransformerEngine for a mixture-of-experts model")
+        mlp = spec.submodules.mlp
+        spec = dataclasses.replace(
+            spec,
+            submodules=dataclasses.replace(
+                spec.submodules,
+                mlp=dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, activation_func=swiglu)),
+            ),
+        )
     rotary_base = int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta
     vpp = config.virtual_pipeline_model_parallel_size or 1
     chunks = []

@@ -36,6 +36,12 @@ def _body(rank: int, world_size: int, paths: dict, ids: torch.Tensor) -> dict:
     r: dict = {}
     actor = roles.build_actor(paths["lm"])
     r["actor"] = (actor.trainable, all(p.requires_grad for p in actor.parameters()), actor.chunks[0].training)
+    from megatron.core.transformer.mlp import MLP
+
+    from hybridrl.mcore.swiglu import swiglu
+
+    mlps = [m for c in actor.chunks for m in c.modules() if isinstance(m, MLP)]
+    r["actor_mlp_swiglu"] = [m.activation_func is swiglu for m in mlps]
 
     ref = roles.build_reference(paths["lm"], offload=True)
     r["ref_offloaded_at_build"] = ref.offloaded
@@ -97,6 +103,12 @@ def report(tmp_path_factory):
 def test_actor_is_trainable(report):
     for r in report[0]:
         assert r["actor"] == (True, True, True)
+
+
+def test_actor_mlps_use_the_swiglu_that_keeps_only_its_input(report):
+    """The trainer's builder gives every dense MLP hybridrl.mcore.swiglu (numerics: tests/mcore/test_swiglu.py)."""
+    for r in report[0]:
+        assert r["actor_mlp_swiglu"] and all(r["actor_mlp_swiglu"]), r["actor_mlp_swiglu"]
 
 
 def test_reference_is_frozen_and_offloadable(report):
