@@ -9,6 +9,9 @@
 - The output layer of a selected pass (hybridrl.mcore.response_logits) gets ``[1, rows * r, h]``, so the logits
   that reach the head are a view of the output layer's own output (GPTModel's ``[s, b] -> [b, s]`` transpose
   copies nothing); values against the unselected pass and HF transformers are tests/mcore/test_response_logits.py.
+- In that update the log-prob head's backward writes the logits' gradient into the logits' own memory
+  (``grad_into_logits``, set by ``LogProbHead``): the gradient the output layer receives lies in the logits' storage
+  (numerics against a fresh gradient: tests/mcore/test_vocab_chunks.py).
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ class _ProbeHead:
     def __call__(self, output, micro_batch):
         self.seen.setdefault("head_storage", output.untyped_storage().data_ptr())
         self.seen.setdefault("head_shape", tuple(output.shape))
+        if output.requires_grad and "grad_hook" not in self.seen:
+            self.seen["grad_hook"] = True
+            output.register_hook(lambda g: self.seen.update(grad_storage=g.untyped_storage().data_ptr()))
         return self.inner(output, micro_batch)
 
 
@@ -132,3 +138,4 @@ def test_fused_adamw_and_the_logits_layout(tmp_path):
     assert seen["input"][:2] == (1, rows * r), seen
     assert seen["head_shape"][:2] == (rows, r), seen
     assert seen["head_storage"] == seen["layer_storage"], "the logits were copied between output layer and head"
+    assert seen["grad_storage"] == seen["head_storage"], "the head's gradient was not written into the logits"
