@@ -8,9 +8,9 @@ through the trainer's own calls (``roles.build_actor`` from the HF checkpoint, `
 - ``1 rank x 1 thread``: the single-core baseline;
 - ``1 rank x 2 threads``: one process using both cores through intra-op threads;
 - ``TP2 x 1 thread, gloo``: Megatron tensor parallelism, one rank per core, its all-reduces on gloo (loopback
-  TCP), the default;
+  TCP), what ``HYBRIDRL_SHM_ALLREDUCE=0`` keeps;
 - ``TP2 x 1 thread, shm``: the same with the all-reduces through shared memory
-  (``hybridrl.distributed.shm_allreduce``, what ``HYBRIDRL_SHM_ALLREDUCE=1`` turns on; this bench sets it).
+  (``hybridrl.distributed.shm_allreduce``), the default.
 
 The two 1-rank layouts alternate inside one launch (1, 2, 2, 1 threads), the two TP2 transports inside the 2-rank
 launch (shm, gloo, gloo, shm); ``--rounds`` repeats both launches, alternated, and each layout keeps its best

@@ -16,7 +16,7 @@ patches, each of which is listed in docs/cpu_stack.md ("Megatron-Core on CPU"):
 8. (without TransformerEngine, CPU or GPU) the name MoE routing reads: :func:`define_missing_te_names`;
 9. (vLLM on CPU, applied by the rollout engine) vLLM's sampler counts token ranks eagerly:
    :func:`eager_vllm_token_ranks`;
-10. (TP > 1 on one host, opt-in: ``HYBRIDRL_SHM_ALLREDUCE=1``) Megatron's tensor-parallel all-reduces
+10. (TP > 1 on one host; ``HYBRIDRL_SHM_ALLREDUCE=0`` turns it off) Megatron's tensor-parallel all-reduces
     (``tensor_parallel.mappings`` and the linear layers' input-gradient all-reduce) go through shared memory
     instead of gloo's loopback TCP: :func:`route_tp_all_reduce`, called by ``hybridrl.mcore.parallel_state``;
 11. (vLLM on CPU, applied by the rollout engine) vLLM's CPU sampler draws one number per row instead of one per
@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.distributed import shm_allreduce
+from hybridrl.distributed.env import LaunchError
 
 _APPLIED = False
 
@@ -316,9 +317,9 @@ def vllm_cpu_norm_kernels(ir_module: types.ModuleType) -> dict[str, list[str]]:
 _TP_COMM_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers")
 _SHM_GROUPS: dict[Any, shm_allreduce.ShmAllReduce] = {}
 SHM_ENV = "HYBRIDRL_SHM_ALLREDUCE"
-"""Environment variable: ``1`` sends the TP all-reduces through shared memory (item 10); unset or ``0``: gloo.
-Opt-in: bitwise gloo's numbers at two ranks and 4-5x faster per all-reduce, but no faster per training pass
-yet in ``bench/tp_scaling.py`` on a loaded 2-core machine (gloo overlaps its backward all-reduces)."""
+"""Environment variable: unset or ``1`` sends the TP all-reduces through shared memory (item 10); ``0``: gloo.
+The default since ``bench/tp_scaling.py`` measured it 5-6% faster per TP2 update than gloo in three series of
+two days (the 23.7M model, alternated in one launch), with bitwise gloo's numbers at two ranks."""
 
 
 class _Completed:
@@ -368,10 +369,14 @@ def route_tp_all_reduce(group: Any) -> bool:
     (:mod:`hybridrl.distributed.shm_allreduce`): item 10. Collective over ``group``.
 
     Returns:
-        True when routed; False where the group keeps gloo (``HYBRIDRL_SHM_ALLREDUCE`` not ``1``, one rank,
+        True when routed; False where the group keeps gloo (``HYBRIDRL_SHM_ALLREDUCE=0``, one rank,
         ranks on several hosts, or no room in ``/dev/shm``).
     """
-    if os.environ.get(SHM_ENV, "0") != "1" or group is None:
+    setting = os.environ.get(SHM_ENV, "1")
+    if setting not in ("0", "1"):
+        raise LaunchError(f"environment variable {SHM_ENV}={setting!r} must be 1 (shared memory, the default) or 0 "
+                          "(gloo); unset it or set one of them")  # fmt: skip
+    if setting == "0" or group is None:
         return False
     comm = shm_allreduce.create(group)
     if comm is None:

@@ -66,7 +66,7 @@ def initialize(layout: ParallelLayout, seed: int = 1234, timeout_s: float = 600.
     )
     _BUILT.update(layout=layout, replica_groups=replicas)
     apply_collective_timeout(timeout_s)  # also the few groups Megatron makes without its timeout
-    if on_cpu:  # opt-in: TP all-reduces through shared memory, not gloo's loopback TCP (docs/cpu_stack.md)
+    if on_cpu:  # TP all-reduces through shared memory, not gloo's loopback TCP (docs/cpu_stack.md)
         cpu_compat.route_tp_all_reduce(mpu.get_tensor_model_parallel_group())
     reseed(seed)
 

@@ -4,11 +4,11 @@ Two launches. Three ranks check the collective itself against an independent sum
 with gloo's all-gather and added in rank order), on the 3-rank group and on a 2-rank subgroup (there also
 against gloo's own all-reduce, bitwise), across slot-sized pieces of odd sizes, dtypes, back-to-back rounds with
 random delays between them (the two alternating slot sets must never be overwritten while a slow peer reads
-them), and the cases it must leave to gloo. Two ranks run the actor update as the trainer does, with
-``HYBRIDRL_SHM_ALLREDUCE=1`` (``init_model_parallel`` at TP2, ``roles.build_actor`` from an HF checkpoint,
-``compute.forward_backward`` with ``ActorLoss``): Megatron's all-reduces must go through shared memory, give
-bitwise gloo's loss and gradients, and match a TP1 run of the same builders (data parallel over the two ranks,
-gradients summed) within fp32 tolerance.
+them), and the cases it must leave to gloo (``HYBRIDRL_SHM_ALLREDUCE=0`` among them). Two ranks run the actor
+update as the trainer does, with the default setting (``init_model_parallel`` at TP2, ``roles.build_actor`` from an
+HF checkpoint, ``compute.forward_backward`` with ``ActorLoss``): Megatron's all-reduces must go through shared
+memory, give bitwise gloo's loss and gradients, and match a TP1 run of the same builders (data parallel over the
+two ranks, gradients summed) within fp32 tolerance.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def _collective_body(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from hybridrl.distributed import shm_allreduce
+    from hybridrl.distributed.env import LaunchError
     from hybridrl.mcore import cpu_compat
 
     groups = {"world3": None, "pair": dist.new_group([0, 1]), "single": dist.new_group([2])}
@@ -97,9 +98,17 @@ def _collective_body(rank: int, world: int) -> dict:
     shm_allreduce.SHM_DIR = "/nonexistent-shm-dir"  # rank 0 cannot create the file: every rank falls back
     out["no_shm_dir"] = shm_allreduce.create(dist.group.WORLD) is None
     shm_allreduce.SHM_DIR = shm_allreduce_dir
-    out["env_off"] = [cpu_compat.route_tp_all_reduce(dist.group.WORLD)]  # unset: gloo, the default
-    os.environ[cpu_compat.SHM_ENV] = "0"
-    out["env_off"].append(cpu_compat.route_tp_all_reduce(dist.group.WORLD))
+    os.environ[cpu_compat.SHM_ENV] = "0"  # the opt-out
+    out["env_off"] = cpu_compat.route_tp_all_reduce(dist.group.WORLD)
+    del os.environ[cpu_compat.SHM_ENV]  # unset: shared memory, the default
+    out["env_default"] = cpu_compat.route_tp_all_reduce(dist.group.WORLD)
+    cpu_compat.unroute_tp_all_reduce()
+    os.environ[cpu_compat.SHM_ENV] = "yes"
+    try:
+        cpu_compat.route_tp_all_reduce(dist.group.WORLD)
+    except LaunchError as e:
+        out["env_bad"] = str(e)
+    del os.environ[cpu_compat.SHM_ENV]
     return out
 
 
@@ -127,7 +136,8 @@ def test_falls_back_where_shared_memory_cannot_serve(collective):
     assert collective[2]["created"]["single"] is False  # a group of one: nothing to reduce
     for r in collective:
         assert r["no_shm_dir"] is True
-        assert r["env_off"] == [False, False]
+        assert r["env_off"] is False and r["env_default"] is True
+        assert r["env_bad"].startswith("environment variable HYBRIDRL_SHM_ALLREDUCE='yes' must be 1")
         assert r["files_left"] == [], "the mapped file must be unlinked once every rank holds it"
 
 
@@ -169,7 +179,7 @@ def _update_body(rank: int, world: int, path: str, batch: dict) -> dict:
                                        share_prefix=None)  # fmt: skip
         return out.loss, actor
 
-    os.environ[cpu_compat.SHM_ENV] = "1"  # the opt-in
+    os.environ.pop(cpu_compat.SHM_ENV, None)  # the default
     init_model_parallel(ParallelLayout.from_world(world, tp=2), seed=1)
     stats = cpu_compat.tp_all_reduce_stats()
     actor = roles.build_actor(path)
