@@ -460,6 +460,9 @@ def test_cpu_engine_runs_rms_norm_on_vllm_cpu_kernels(engine, models):
         assert out.data_ptr() == xi.data_ptr() and res.data_ptr() == ri.data_ptr()
         torch.testing.assert_close(res, x + r, atol=0, rtol=0)
         torch.testing.assert_close(out, _rms((x + r), w, 1e-5), atol=tol, rtol=tol)
+        xf, rf = x.clone(), r.clone()
+        out_f, res_f = fused(xf, rf, w, 1e-5)  # the functional form leaves its inputs alone
+        assert torch.equal(xf, x) and torch.equal(rf, r) and torch.equal(out_f, out) and torch.equal(res_f, res)
     wide = torch.randn(8, 192)
     strided = wide[:, :96]  # rows 192 apart: the C kernel assumes 96
     assert plain.dispatch(strided, w.float(), 1e-5).provider == "native"
