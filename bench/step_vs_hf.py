@@ -15,7 +15,10 @@ PPO clip loss, one optimizer step per rollout, AdamW lr 1e-5, grad clip 1.0, fp3
   ``metrics.jsonl`` (``rollout`` includes the weight switch).
 
 Both run as subprocesses of this script, alternated (HF first in odd rounds, hybridrl first in even ones), with
-``--steps`` steps each; step 1 is a warm-up and is dropped. Per stage: seconds per step and hybridrl / HF; for the
+``--steps`` steps each; the first ``--warmup`` steps (default 1) are dropped: a CPU process's heap keeps growing
+for its first few steps (the 23.7M model at 128 tokens: the reference pass touches ~87k fresh pages in each of
+steps 2-4, ~0.9 s on this machine, and none from step 6; peak RSS 3.1 -> 4.3 GB), so ``--warmup 5 --steps 8``
+measures the steady state a long run sees, for every side alike. Per stage: seconds per step and hybridrl / HF; for the
 step: tokens/s (prompt + response tokens / step time) and its ratio; peak memory: the largest sum of RSS and of PSS
 (shared pages counted once) over the side's process tree: RSS sampled every 0.2 s (cheap), PSS read whenever the
 RSS sum reaches a new high (reading PSS walks every page of a process: 50 ms for a 4.6 GiB one, a fifth of a core
@@ -300,8 +303,12 @@ def run_hybridrl(paths: dict, args, work: str, nproc: int, threads: int) -> dict
     return {"records": records, "peak_gb": peak, "pss_gb": pss, "pss_parts": parts, "wall": wall}
 
 
+WARMUP = 1
+"""Steps dropped from each side's mean (``--warmup``)."""
+
+
 def _mean(records: list[dict], key: str) -> float | None:
-    kept = [r[key] for r in (records[1:] or records) if key in r]
+    kept = [r[key] for r in (records[WARMUP:] or records) if key in r]
     return sum(kept) / len(kept) if kept else None
 
 
@@ -386,7 +393,7 @@ def compare(args) -> None:
         threads = max(1, cores // nproc)
         print(f"\n{model} Llama ({paths['params'] / 1e6:.2f}M params), {PROMPTS} prompts x {N}, responses <= "
               f"{args.response_length} tokens; HF and TRL: 1 process x {cores} threads; hybridrl: {nproc} process(es) "
-              f"x {threads} thread(s); mean of steps 2..{args.steps}", flush=True)  # fmt: skip
+              f"x {threads} thread(s); mean of steps {WARMUP + 1}..{args.steps}", flush=True)  # fmt: skip
         for rnd in range(args.rounds):
             order = names if rnd % 2 == 0 else names[::-1]
             peak = machine_peak(cores)
@@ -405,7 +412,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("tiny", "small", "both"), default="both")
     ap.add_argument("--response-length", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=3, help="steps per run; the first is dropped (warm-up)")
+    ap.add_argument("--steps", type=int, default=3, help="steps per run")
+    ap.add_argument("--warmup", type=int, default=1, help="first steps of each run left out of the means")
     ap.add_argument("--rounds", type=int, default=1, help="HF / hybridrl pairs, alternating which goes first")
     ap.add_argument("--nproc", type=int, default=0, help="hybridrl processes (0: 2 for tiny, 1 for small)")
     ap.add_argument("--keep", default=None, help="write the work folders here")
@@ -416,6 +424,10 @@ def main() -> None:
     ap.add_argument("--hf-worker", help=argparse.SUPPRESS)
     ap.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global WARMUP
+    WARMUP = args.warmup
+    if args.warmup >= args.steps and not (args.hf_worker or args.trl_worker or args.profile):
+        ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps}): no step would be measured")
     if args.hf_worker:
         with open(args.hf_worker) as f:
             return hf_worker(json.load(f))
