@@ -10,11 +10,14 @@ through the trainer's own calls (``roles.build_actor`` from the HF checkpoint, `
 - ``TP2 x 1 thread, gloo``: Megatron tensor parallelism, one rank per core, its all-reduces on gloo (loopback
   TCP), what ``HYBRIDRL_SHM_ALLREDUCE=0`` keeps;
 - ``TP2 x 1 thread, shm``: the same with the all-reduces through shared memory
-  (``hybridrl.distributed.shm_allreduce``), the default.
+  (``hybridrl.distributed.shm_allreduce``), the default;
+- ``TP2 x 1 thread, shm, SP`` (``--sequence-parallel``): the same pass with Megatron's sequence parallelism (the
+  norms and residual adds on half the tokens per rank; all-gathers and reduce-scatters along the sequence, on
+  shared memory, instead of the all-reduces).
 
-The two 1-rank layouts alternate inside one launch (1, 2, 2, 1 threads), the two TP2 transports inside the 2-rank
-launch (shm, gloo, gloo, shm); ``--rounds`` repeats both launches, alternated, and each layout keeps its best
-round (the machine is shared: drifts in its load hit every layout).
+The two 1-rank layouts alternate inside one launch (1, 2, 2, 1 threads), the TP2 variants inside the 2-rank
+launch (shm, gloo, [SP, SP,] gloo, shm); ``--rounds`` repeats both launches, alternated, and each layout keeps its
+best round (the machine is shared: drifts in its load hit every layout).
 
 The GEMM peak is measured in the same launches: a 2048^3 fp32 ``mm`` on one thread, on two threads in one
 process, and on one thread in each of the two TP ranks at once (the machine's peak). Each pass's share of it
@@ -25,6 +28,7 @@ the peak of the cores it used. The TP collectives are counted per transport: cal
 backward. Goal: TP2 >= 1.6x the 1-thread rank and no slower than 1 rank x 2 threads.
 
     python bench/tp_scaling.py [--model small|tiny] [--response-length 32] [--reps 3] [--rounds 2] [--profile]
+                               [--sequence-parallel]
 """
 
 from __future__ import annotations
@@ -100,17 +104,23 @@ class _AllReduceTimer:
 
 
 def _setup(world: int, tp: int, paths: dict, response: int):
-    from step_profile import _batch
-
-    from hybridrl.algos.objectives import ActorLoss
-    from hybridrl.config.schema_roles import ActorConfig
     from hybridrl.distributed import ParallelLayout, init_model_parallel
-    from hybridrl.mcore import compute, roles
     from hybridrl.trainer import startup
 
     startup.keep_freed_memory()  # as a launched rank: each pass reuses the heap (HYBRIDRL_KEEP_FREED_MEMORY=0: not)
     init_model_parallel(ParallelLayout.from_world(world, tp=tp), seed=1)
-    actor = roles.build_actor(paths["model"])
+    return _pass(paths, response)
+
+
+def _pass(paths: dict, response: int, **options):
+    """One actor update's forward + backward on the current layout (``options``: ``build_actor``'s overrides)."""
+    from step_profile import _batch
+
+    from hybridrl.algos.objectives import ActorLoss
+    from hybridrl.config.schema_roles import ActorConfig
+    from hybridrl.mcore import compute, roles
+
+    actor = roles.build_actor(paths["model"], **options)
     batch = _batch(paths, 16, 4, response)
     objective = ActorLoss(ActorConfig(use_kl_loss=True, kl_loss_coef=0.04, kl_loss_type="low_var_kl"))
     head = compute.LogProbHead(with_entropy=True, vocab_size=actor.shape.vocab_size)
@@ -209,8 +219,13 @@ def _tp2(rank: int, world: int, paths: dict, args: dict) -> dict:
     dist.barrier()
     peak = gemm_peak()  # both ranks at once: one core each
     transports = {"shm": contextlib.nullcontext, "gloo": cpu_compat.tp_all_reduce_on_gloo}
+    passes = dict.fromkeys(transports, fwd_bwd)
+    if args["sequence_parallel"]:  # the same pass with sequence parallelism, its collectives on shared memory
+        transports["shm, SP"] = contextlib.nullcontext
+        passes["shm, SP"] = _pass(paths, args["response"], sequence_parallel=True)
     if not cpu_compat.tp_all_reduce_stats():  # no shared memory here: gloo only
-        transports.pop("shm")
+        for name in [n for n in transports if n.startswith("shm")]:
+            transports.pop(name)
     out: dict = {"flops": flops, "peak": peak, "time": {t: [] for t in transports}, "cpu": {t: [] for t in transports},
                  "comm": {}, "profile": {}}  # fmt: skip
     order = list(transports)
@@ -218,13 +233,13 @@ def _tp2(rank: int, world: int, paths: dict, args: dict) -> dict:
         for name in order if rnd == 0 else order[::-1]:
             with transports[name]():
                 dist.barrier()
-                out["time"][name].append(_time(fwd_bwd, args["reps"], out["cpu"][name]))
+                out["time"][name].append(_time(passes[name], args["reps"], out["cpu"][name]))
     for name, ctx in transports.items():
-        out["comm"][name] = _comm(fwd_bwd, name)
+        out["comm"][name] = _comm(passes[name], name)
         if args["profile"]:
             with ctx():
                 dist.barrier()
-                out["profile"][name] = _breakdown(fwd_bwd)
+                out["profile"][name] = _breakdown(passes[name])
     return out
 
 
@@ -266,10 +281,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="launch pairs (1 rank, TP2), alternated")
     ap.add_argument("--profile", action="store_true", help="one torch.profiler pass per layout, split by part")
     ap.add_argument("--keep", default=None, help="write the work folder here")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="also time TP2 with sequence parallelism (shared memory)")  # fmt: skip
     args = ap.parse_args()
     work = args.keep or tempfile.mkdtemp(prefix="hybridrl_tp_scaling_")
     paths = make_assets(os.path.join(work, args.model), args.model)
-    spec = {"response": args.response_length, "reps": args.reps, "profile": args.profile}
+    spec = {"response": args.response_length, "reps": args.reps, "profile": args.profile,
+            "sequence_parallel": args.sequence_parallel}  # fmt: skip
     rounds = []
     for _ in range(args.rounds):
         one = run_ranks(_one_rank, 1, paths, spec, timeout=3600)[0]
@@ -293,7 +311,7 @@ def main() -> None:
     for name, c in tp[0]["comm"].items():
         t_tp = best[f"TP2 x 1 thread, {name}"]
         cpu = " / ".join(f"{min(r['cpu'][name]):.3f}" for r in tp)
-        print(f"TP2 {name}: {c['calls']} all-reduces, {c['mib']:.1f} MiB, {c['seconds']:.3f} s inside the calls "
+        print(f"TP2 {name}: {c['calls']} collectives, {c['mib']:.1f} MiB, {c['seconds']:.3f} s inside the calls "
               f"({100 * c['seconds'] / t_tp:.0f}% of the pass) on rank 0; CPU s/pass of rank 0 / 1: {cpu}")  # fmt: skip
     _print_profile(last)
     for name in tp[0]["time"]:

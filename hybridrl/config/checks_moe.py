@@ -58,8 +58,8 @@ def check_moe(cfg: RunConfig, world: int) -> None:
               "fused experts unpacked; use rollout.weight_sync=shards", "rollout.weight_sync")  # fmt: skip
     if m.tp_size > 1 and not m.sequence_parallel:
         _fail(f"actor.megatron.sequence_parallel (false) must be true for an MoE model at actor.megatron.tp_size "
-              f"{m.tp_size}: Megatron's MoE layer trains with TP only under sequence parallelism (GPU, "
-              "TransformerEngine); set actor.megatron.sequence_parallel=true or tp_size=1",
+              f"{m.tp_size}: Megatron's MoE layer trains with TP only under sequence parallelism; "
+              "set actor.megatron.sequence_parallel=true or tp_size=1",
               "actor.megatron.sequence_parallel")  # fmt: skip
 
 

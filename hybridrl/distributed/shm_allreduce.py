@@ -85,15 +85,62 @@ class ShmAllReduce:
         per_slot = self.slot_bytes // flat.element_size()
         for begin in range(0, flat.numel(), per_slot):
             piece = flat[begin : begin + per_slot]
-            self._round += 1
-            slots = self._slots[self._round % 2].view(flat.dtype)[:, : piece.numel()]
+            slots = self._next_slots(flat.dtype, piece.numel())
             slots[self.rank].copy_(piece)
             dist.barrier(group=self.group)
             torch.add(slots[0], slots[1], out=piece)
             for other in range(2, self.world):
                 piece.add_(slots[other])
+        self._count(flat.numel() * flat.element_size(), start)
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """``output`` (``world`` x ``tensor``'s elements, contiguous) <- every rank's ``tensor``, in rank order along
+        the first dimension: ``torch.distributed.all_gather_into_tensor``, with the same slot rounds."""
+        with torch.profiler.record_function(PROFILE_LABEL):
+            start = time.perf_counter()
+            flat, out = tensor.detach().reshape(-1), output.detach().view(-1)
+            n = flat.numel()
+            per_slot = self.slot_bytes // flat.element_size()
+            for begin in range(0, n, per_slot):
+                piece = flat[begin : begin + per_slot]
+                slots = self._next_slots(flat.dtype, piece.numel())
+                slots[self.rank].copy_(piece)
+                dist.barrier(group=self.group)
+                for other in range(self.world):
+                    out[other * n + begin : other * n + begin + piece.numel()].copy_(slots[other])
+            self._count(n * flat.element_size(), start)
+        return output
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """``output`` <- the sum over ranks of this rank's block of ``tensor`` (``world`` blocks along the first
+        dimension): ``torch.distributed.reduce_scatter_tensor`` (SUM), added in rank order as :meth:`__call__`."""
+        with torch.profiler.record_function(PROFILE_LABEL):
+            start = time.perf_counter()
+            flat, out = tensor.detach().reshape(-1), output.detach().view(-1)
+            n = out.numel()
+            blocks = flat.view(self.world, n)
+            per_block = self.slot_bytes // flat.element_size() // self.world
+            for begin in range(0, n, per_block):
+                width = min(per_block, n - begin)
+                slots = self._next_slots(flat.dtype, self.world * width).view(self.world, self.world, width)
+                slots[self.rank].copy_(blocks[:, begin : begin + width])  # every block's piece: one per peer
+                dist.barrier(group=self.group)
+                mine = slots[:, self.rank]  # (world, width): each rank's contribution to this rank's block
+                piece = out[begin : begin + width]
+                torch.add(mine[0], mine[1], out=piece)
+                for other in range(2, self.world):
+                    piece.add_(mine[other])
+            self._count(flat.numel() * flat.element_size(), start)
+        return output
+
+    def _next_slots(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The next round's slot set as ``(world, numel)`` of ``dtype`` (sets alternate: module docs)."""
+        self._round += 1
+        return self._slots[self._round % 2].view(dtype)[:, :numel]
+
+    def _count(self, nbytes: int, start: float) -> None:
         self.stats.calls += 1
-        self.stats.bytes += flat.numel() * flat.element_size()
+        self.stats.bytes += nbytes
         self.stats.seconds += time.perf_counter() - start
 
     def close(self) -> None:

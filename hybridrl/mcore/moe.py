@@ -137,23 +137,30 @@ def aux_loss_metrics(config: Any, num_micro_batches: int) -> dict[str, float]:
     """Read and clear Megatron's aux-loss tracker after a step: ``{AUX_LOSS_METRIC: value}`` on every rank.
 
     The tracker holds, per layer, the sum over this step's ``num_micro_batches`` of ``L_aux,l``; the value is
-    the mean over MoE layers and micro-batches (summed over pipeline stages, averaged over data-parallel
-    ranks). Empty for a dense model and when nothing was tracked (no gradient, or coefficient 0).
+    the mean over MoE layers and micro-batches (summed over pipeline stages and over the router's reduce group
+    (the TP ranks' sequence slices under sequence parallelism), averaged over data-parallel ranks). Empty for a
+    dense model and when nothing was tracked (no gradient, or coefficient 0).
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
     if getattr(config, "num_moe_experts", None) is None:
         return {}
-    entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss") or {}
     total = torch.zeros(1, dtype=torch.float64)
-    if entry is not None:
+    if "values" in entry:
         total[0] = entry["values"].detach().double().sum().cpu()
     clear_aux_losses_tracker()
-    for group in (mpu.get_pipeline_model_parallel_group(), mpu.get_data_parallel_group()):
-        if dist.get_world_size(group) > 1:
+    # Megatron's own reduction of the tracker: a router that computed its loss over a slice of the tokens (the
+    # sequence's TP slice under sequence parallelism) names the group its parts sum over; one whose group holds
+    # the data-parallel ranks too needs no average over them
+    dp_group = mpu.get_data_parallel_group()
+    has_dp = bool(entry.get("reduce_group_has_dp", False))
+    groups = [mpu.get_pipeline_model_parallel_group(), entry.get("reduce_group")] + ([] if has_dp else [dp_group])
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)
     if total[0].item() == 0:
         return {}
-    dp = dist.get_world_size(mpu.get_data_parallel_group())
+    dp = 1 if has_dp else dist.get_world_size(dp_group)
     return {AUX_LOSS_METRIC: total[0].item() / (dp * config.num_layers * max(num_micro_batches, 1))}

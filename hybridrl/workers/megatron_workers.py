@@ -49,14 +49,7 @@ def model_options(megatron: Any, key: str) -> dict[str, Any]:
     for name in ("recompute_granularity", "recompute_method", "recompute_num_layers", "batch_p2p_comm"):
         if getattr(megatron, name) is not None:
             out[name] = getattr(megatron, name)
-    if megatron.sequence_parallel:
-        from hybridrl.mcore import gpt
-
-        if not gpt.use_transformer_engine():
-            raise ValueError(
-                f"{key}.sequence_parallel (true) needs TransformerEngine's norms (a GPU with transformer_engine); "
-                "Megatron's torch norms refuse it: set it to false here"
-            )
+    if megatron.sequence_parallel:  # TransformerEngine's norms on a GPU with it, hybridrl.mcore.local_norm's otherwise
         out["sequence_parallel"] = True
     return out
 

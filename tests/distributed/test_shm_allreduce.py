@@ -8,7 +8,8 @@ them), and the cases it must leave to gloo (``HYBRIDRL_SHM_ALLREDUCE=0`` among t
 update as the trainer does, with the default setting (``init_model_parallel`` at TP2, ``roles.build_actor`` from an
 HF checkpoint, ``compute.forward_backward`` with ``ActorLoss``): Megatron's all-reduces must go through shared
 memory, give bitwise gloo's loss and gradients, and match a TP1 run of the same builders (data parallel over the
-two ranks, gradients summed) within fp32 tolerance.
+two ranks, gradients summed) within fp32 tolerance; with sequence parallelism, its all-gathers and reduce-scatters
+too (bitwise gloo's), within fp32 tolerance of plain TP.
 """
 
 from __future__ import annotations
@@ -40,6 +41,29 @@ def _same_everywhere(x: torch.Tensor, group) -> bool:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x, group=group)
     return all(torch.equal(p, parts[0]) for p in parts)
+
+
+def _gather_scatter_checks(comm, g: torch.Generator) -> list[bool]:
+    """Sequence parallelism's collectives against independent ones: the all-gather against gloo's (bitwise), the
+    reduce-scatter against this rank's block of every rank's input gathered by gloo and added in rank order.
+    Odd sizes cross several slot-sized pieces (the slot holds 1024 fp32; a reduce-scatter piece 1024 / world)."""
+    import torch.distributed as dist
+
+    world, rank = comm.world, comm.rank
+    checks = []
+    for rows, cols, dtype in ((1, 1, torch.float32), (7, 129, torch.float32), (3, 1000, torch.float32),
+                              (5, 333, torch.bfloat16), (2, 3, torch.float64)):  # fmt: skip
+        x = torch.randn(rows, cols, generator=g).to(dtype)
+        gathered, expected = torch.empty(world * rows, cols, dtype=dtype), torch.empty(world * rows, cols, dtype=dtype)
+        comm.all_gather(gathered, x)
+        dist.all_gather_into_tensor(expected, x, group=comm.group)
+        checks.append(torch.equal(gathered, expected))
+        full = torch.randn(world * rows, cols, generator=g).to(dtype)
+        mine = torch.empty(rows, cols, dtype=dtype)
+        comm.reduce_scatter(mine, full)
+        block = _gathered_sum(full, comm.group).view(world, rows, cols)[rank]
+        checks.append(torch.equal(mine, block))
+    return checks
 
 
 def _collective_body(rank: int, world: int) -> dict:
@@ -92,6 +116,7 @@ def _collective_body(rank: int, world: int) -> dict:
                           comm.accepts(torch.ones(4), dist.ReduceOp.MAX),
                           comm.accepts(torch.ones(4, 4).t())]  # fmt: skip
         out["stats"] = (comm.stats.calls, comm.stats.bytes)
+        out[name + "_gather_scatter"] = _gather_scatter_checks(comm, g)
     ours = f"hybridrl_allreduce_{pids[0]}_"  # rank 0 creates every file of this launch
     out["files_left"] = [f for f in os.listdir(shm_allreduce.SHM_DIR) if f.startswith(ours)]
     shm_allreduce_dir = shm_allreduce.SHM_DIR
@@ -122,6 +147,13 @@ def test_sum_equals_the_gathered_sum_on_every_rank(collective):
         assert r["created"]["world3"] and r["world3"] and all(r["world3"]), (rank, r["world3"])
     for rank in (0, 1):
         assert collective[rank]["created"]["pair"] and all(collective[rank]["pair"]), collective[rank]["pair"]
+
+
+def test_all_gather_and_reduce_scatter_equal_independent_collectives(collective):
+    for rank, r in enumerate(collective):
+        assert r["world3_gather_scatter"] and all(r["world3_gather_scatter"]), (rank, r["world3_gather_scatter"])
+    for rank in (0, 1):
+        assert all(collective[rank]["pair_gather_scatter"]), collective[rank]["pair_gather_scatter"]
 
 
 def test_two_ranks_give_gloo_bits_and_refuse_what_they_cannot_sum(collective):
@@ -194,6 +226,27 @@ def _update_body(rank: int, world: int, path: str, batch: dict) -> dict:
     bitwise = loss_shm == loss_gloo and all(torch.equal(grads_shm[k], grads_gloo[k]) for k in grads_shm)
     out = {"routed": len(stats), "calls": calls, "gloo_calls_after": stats[0].calls - calls if stats else -1,
            "bitwise": bitwise}  # fmt: skip
+    # sequence parallelism: the norms see half the tokens each (their gradients summed over TP, as the optimizer
+    # does), the all-gathers and reduce-scatters along the sequence go through shared memory too
+    sp_actor = roles.build_actor(path, sequence_parallel=True)
+    before = stats[0].calls if stats else 0
+    loss_sp, _ = update(sp_actor, batch)
+    out["sp_calls"] = (stats[0].calls if stats else 0) - before
+    sp_params = [p for p in sp_actor.parameters() if getattr(p, "sequence_parallel", False)]
+    out["sp_norms"] = len(sp_params)
+    for p in sp_params:
+        dist.all_reduce(p.grad)
+    grads_sp = gather_full(sp_actor.chunks, "grad")
+    for p in sp_actor.parameters():
+        p.grad = None
+    with cpu_compat.tp_all_reduce_on_gloo():
+        loss_sp_gloo, _ = update(sp_actor, batch)
+    for p in sp_params:
+        dist.all_reduce(p.grad)
+    grads_sp_gloo = gather_full(sp_actor.chunks, "grad")
+    out["sp_bitwise"] = loss_sp == loss_sp_gloo and all(torch.equal(grads_sp[k], grads_sp_gloo[k]) for k in grads_sp)
+    out["sp_loss_diff"] = abs(loss_sp - loss_shm)
+    out["sp_grad_diff"] = max((grads_sp[k] - grads_shm[k]).abs().max().item() for k in grads_shm)
     init_model_parallel(ParallelLayout.from_world(world, tp=1), seed=1)  # DP2: half the rows on each rank
     out["routed_tp1"] = len(cpu_compat.tp_all_reduce_stats())
     half = len(batch["input_ids"]) // world
@@ -222,6 +275,15 @@ def test_actor_update_at_tp2_goes_through_shared_memory(update):
         assert r["routed"] == 1 and r["routed_tp1"] == 0, r
         assert r["calls"] >= 4 * 4, r  # per layer: two forward all-reduces, two input-gradient ones
         assert r["gloo_calls_after"] == 0, r  # tp_all_reduce_on_gloo really sent them to gloo
+
+
+def test_sequence_parallel_update_goes_through_shared_memory_and_equals_plain_tp(update):
+    for r in update:
+        assert r["sp_norms"] == 2 * 4 + 1, r  # two norms per layer (hf_tiny: 4 layers) and the final one
+        assert r["sp_calls"] > r["calls"], r  # all-gathers and reduce-scatters, more calls than plain TP's
+        assert r["sp_bitwise"], r
+        assert r["sp_loss_diff"] <= TOL, r
+        assert r["sp_grad_diff"] <= TOL * max(1.0, r["grad_scale"]), r
 
 
 def test_actor_update_equals_gloo_bitwise_and_tp1_within_fp32(update):

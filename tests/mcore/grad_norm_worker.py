@@ -40,6 +40,10 @@ def _attrs(param, strict: bool) -> tuple:
     return tuple(getattr(param, a, d) for a, d in zip(ATTR_NAMES, DEFAULTS, strict=True))
 
 
+SEQUENCE_PARALLEL = False
+"""The roles' ``megatron.sequence_parallel`` on the current layout (a layout's ``sequence_parallel`` key)."""
+
+
 def _builder(role: str):
     from hybridrl.mcore import roles
 
@@ -51,7 +55,7 @@ def _build(role: str, path: str, **overrides):
     from hybridrl.config.schema_roles import MegatronConfig
     from hybridrl.workers.megatron_workers import model_options
 
-    options = model_options(MegatronConfig(), f"{role}.megatron")
+    options = model_options(MegatronConfig(sequence_parallel=SEQUENCE_PARALLEL), f"{role}.megatron")
     return _builder(role)(path, dtype=torch.float32, **options, **overrides)
 
 
@@ -182,7 +186,10 @@ def main(spec_file: str, result_file: str) -> None:
     init_distributed()
     spec = torch.load(spec_file, weights_only=False)
     mine: dict = {}
+    global SEQUENCE_PARALLEL
     for layout_name, layout in spec["layouts"].items():
+        layout = dict(layout)
+        SEQUENCE_PARALLEL = layout.pop("sequence_parallel", False)
         init_model_parallel(ParallelLayout.from_world(dist.get_world_size(), **layout))
         for case_name, case in spec["cases"].items():
             for backend in spec["backends"]:

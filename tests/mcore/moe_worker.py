@@ -1,16 +1,19 @@
 """run_ranks body of test_moe_parity.py: MoE roles through the trainer's builders on several layouts.
 
-On each layout (2 ranks: DP2, EP2 (experts split over the two DP ranks), PP2; TP2 for the frozen reference,
-see test_moe_parity.py), every checkpoint is built as the workers build it (``roles.build_actor`` with
-``model_options`` of the default ``MegatronConfig``); each rank gives its data-parallel shard of the batch to
-``compute.compute_log_probs``; the step cases run one ``forward_backward`` + optimizer step (torch backend, the
-CPU path) and are compared, shard by shard, with HF's model after HF's own step as the bridge loads it; the
-export case writes the model back to an HF folder (collective). Results are rank 0's, plus every rank's step.
+On each layout (2 ranks: DP2, EP2 (experts split over the two DP ranks), PP2, TP2 with sequence parallelism;
+TP2 without it for the frozen reference, see test_moe_parity.py), every checkpoint is built as the workers build
+it (``roles.build_actor`` with ``model_options`` of a ``MegatronConfig``: the default one, sequence parallelism on
+the TP2 layout); each rank gives its data-parallel shard of the batch to ``compute.compute_log_probs``; the step
+cases run one ``forward_backward`` + optimizer step (torch backend, the CPU path) and are compared, shard by shard,
+with HF's model after HF's own step as the bridge loads it; the export case writes the model back to an HF folder
+(collective). Results are rank 0's, plus every rank's step.
 """
 
 from __future__ import annotations
 
-LAYOUTS = {"dp2": {}, "ep2": {"ep": 2}, "pp2": {"pp": 2}}
+LAYOUTS = {"dp2": {}, "ep2": {"ep": 2}, "pp2": {"pp": 2}, "tp2_sp": {"tp": 2, "sequence_parallel": True}}
+SEQUENCE_PARALLEL = False
+"""``actor.megatron.sequence_parallel`` on the current layout (a layout's ``sequence_parallel`` key)."""
 
 
 def actor_loss(outputs, mb):
@@ -28,7 +31,7 @@ def _options() -> dict:
     from hybridrl.config.schema_roles import MegatronConfig
     from hybridrl.workers.megatron_workers import model_options
 
-    return model_options(MegatronConfig(), "actor.megatron")
+    return model_options(MegatronConfig(sequence_parallel=SEQUENCE_PARALLEL), "actor.megatron")
 
 
 def _local(batch: dict) -> dict:
@@ -72,8 +75,11 @@ def body(rank: int, world: int, spec: dict) -> dict:
     from hybridrl.mcore import compute, roles
     from tests.mcore import hf_tiny
 
+    global SEQUENCE_PARALLEL
     out: dict = {}
     for name, lay in LAYOUTS.items():
+        lay = dict(lay)
+        SEQUENCE_PARALLEL = lay.pop("sequence_parallel", False)
         init_model_parallel(ParallelLayout.from_world(world, **lay))
         for arch, case in spec["cases"].items():
             actor = roles.build_actor(case["path"], **_options())
@@ -83,6 +89,7 @@ def body(rank: int, world: int, spec: dict) -> dict:
                 actor.export(f"{spec['out']}/{name}")
             if "after" in case:
                 out[(name, arch, "step", rank)] = train_step(case, spec["full"], spec["optim"])
+    SEQUENCE_PARALLEL = False
     init_model_parallel(ParallelLayout.from_world(world, tp=2))
     for arch, case in spec["cases"].items():  # a frozen role (eval mode): Megatron's MoE trains only with SP at TP>1
         ref = roles.build_reference(case["path"], **_options())

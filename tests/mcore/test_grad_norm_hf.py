@@ -1,4 +1,5 @@
-"""The optimizer step of every role at TP2, PP2 and PP2 x VPP2 equals HF transformers + clip_grad_norm_ + AdamW.
+"""The optimizer step of every role at TP2 (with and without sequence parallelism), PP2 and PP2 x VPP2 equals HF
+transformers + clip_grad_norm_ + AdamW.
 
 HF is the independent reference: the same loss on the same left/right-padded batch through transformers'
 own models, ``torch.nn.utils.clip_grad_norm_`` (clipping at half the true norm, so it is active) and
@@ -38,7 +39,8 @@ QWEN2 = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, inter
              tie_word_embeddings=False, vocab_size=VOCAB)  # fmt: skip
 QWEN3 = dict(vocab_size=VOCAB)  # hf_tiny's qwen3: tied, QK-norm, head_dim 32
 OPTIM = dict(lr=1e-2, wd=0.1, betas=(0.9, 0.999), eps=1e-2)
-LAYOUTS = {"tp2": {"tp": 2}, "pp2": {"pp": 2}, "pp2_vpp2": {"pp": 2, "vpp": 2}}
+LAYOUTS = {"tp2": {"tp": 2}, "tp2_sp": {"tp": 2, "sequence_parallel": True}, "pp2": {"pp": 2},
+           "pp2_vpp2": {"pp": 2, "vpp": 2}}  # fmt: skip
 BACKENDS = ("torch", "megatron")
 PROMPT_LENS, RESPONSE_LENS = (9, 4, 7, 2), (6, 3, 1, 5)
 PROMPT, RESPONSE = 12, 8  # wider than every row: the trim path runs too

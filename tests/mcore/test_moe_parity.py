@@ -114,7 +114,7 @@ def run(tmp_path_factory):
     return refs, results, padded, spec
 
 
-LAYOUTS = ("dp2", "ep2", "pp2", "tp2")
+LAYOUTS = ("dp2", "ep2", "pp2", "tp2", "tp2_sp")
 
 
 @pytest.mark.parametrize("arch", list(hf_tiny_moe.ARCHS))
@@ -130,7 +130,7 @@ def test_log_probs_match_hf(run, layout, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("layout", ["dp2", "ep2", "pp2"])
+@pytest.mark.parametrize("layout", ["dp2", "ep2", "pp2", "tp2_sp"])
 def test_step_matches_hf_clip_and_adamw(run, layout, arch):
     refs, results, _, _ = run
     ref = refs[(arch, "step")]

@@ -1,7 +1,6 @@
 """A role's megatron memory options reach Megatron: activation recompute is on in the built model and its
-gradients equal the plain model's (recompute changes memory, not numbers); sequence parallelism without
-TransformerEngine is refused in one line instead of failing deep inside Megatron; the optimizer follows
-use_distributed_optimizer."""
+gradients equal the plain model's (recompute changes memory, not numbers); sequence parallelism reaches the
+config and, without TransformerEngine, the local spec's norms; the optimizer follows use_distributed_optimizer."""
 
 from __future__ import annotations
 
@@ -49,14 +48,32 @@ def test_recompute_reaches_megatron_and_keeps_gradients(tmp_path):
         assert r["size"] > 1e-3 and r["diff"] <= 1e-6 * r["size"], r
 
 
-def test_sequence_parallel_without_transformer_engine_is_refused(monkeypatch):
+def test_sequence_parallel_reaches_the_config_and_the_local_norms():
+    """Without TransformerEngine (CPU) sequence parallelism reaches the TransformerConfig too: the local spec's
+    norms are hybridrl's (``LocalNorm``), which mark their parameters for the TP gradient sum
+    (tests/mcore/test_grad_norm_hf.py checks the step against HF, tests/distributed/test_shm_allreduce.py the
+    collectives)."""
     from hybridrl.config.schema_roles import MegatronOptionsConfig
     from hybridrl.mcore import gpt
+    from hybridrl.mcore.local_norm import LocalNorm
     from hybridrl.workers.megatron_workers import model_options, optim_config
 
-    monkeypatch.setattr(gpt, "use_transformer_engine", lambda: False)
-    with pytest.raises(ValueError, match=r"^critic.megatron.sequence_parallel \(true\) needs TransformerEngine"):
-        model_options(MegatronOptionsConfig(sequence_parallel=True), "critic.megatron")
+    options = model_options(MegatronOptionsConfig(sequence_parallel=True), "critic.megatron")
+    assert options == {"sequence_parallel": True}
+    shape = gpt.GPTShape(num_layers=1, hidden_size=64, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=96,
+                         vocab_size=128, qk_norm=True)  # fmt: skip
+    spec = gpt.layer_spec(shape, transformer_engine=False)
+    sub = spec.submodules
+    norms = [sub.input_layernorm, sub.pre_mlp_layernorm, sub.self_attention.submodules.q_layernorm,
+             sub.self_attention.submodules.k_layernorm]  # fmt: skip
+    assert all(n is LocalNorm for n in norms), norms
+    config = types.SimpleNamespace(sequence_parallel=True, normalization="RMSNorm", layernorm_zero_centered_gamma=False,
+                                   memory_efficient_layer_norm=False)  # fmt: skip
+    norm = LocalNorm(config, 64, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True
+    config.normalization = "L2Norm"
+    with pytest.raises(ValueError, match=r"^normalization 'L2Norm' .* has no local norm under sequence parallelism"):
+        LocalNorm(config, 64)
     # a role's batch_p2p_comm reaches its TransformerConfig when set; null leaves the backend's default
     assert model_options(MegatronOptionsConfig(batch_p2p_comm=False), "ref.megatron") == {"batch_p2p_comm": False}
     assert model_options(MegatronOptionsConfig(), "ref.megatron") == {}
