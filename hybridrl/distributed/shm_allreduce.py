@@ -43,7 +43,8 @@ PROFILE_LABEL = "hybridrl::shm_all_reduce"
 
 @dataclass
 class ShmStats:
-    """What a :class:`ShmAllReduce` has done (read by ``bench/tp_scaling.py``)."""
+    """What a :class:`ShmAllReduce` has done (read by ``bench/tp_scaling.py``): calls, the bytes of each call's whole
+    tensor (the all-reduced one, an all-gather's output, a reduce-scatter's input), seconds inside the calls."""
 
     calls: int = 0
     bytes: int = 0
@@ -100,6 +101,8 @@ class ShmAllReduce:
             start = time.perf_counter()
             flat, out = tensor.detach().reshape(-1), output.detach().view(-1)
             n = flat.numel()
+            if out.numel() != self.world * n:
+                raise ValueError(f"all_gather: output has {out.numel()} elements, not {self.world} x {n}")
             per_slot = self.slot_bytes // flat.element_size()
             for begin in range(0, n, per_slot):
                 piece = flat[begin : begin + per_slot]
@@ -108,7 +111,7 @@ class ShmAllReduce:
                 dist.barrier(group=self.group)
                 for other in range(self.world):
                     out[other * n + begin : other * n + begin + piece.numel()].copy_(slots[other])
-            self._count(n * flat.element_size(), start)
+            self._count(out.numel() * out.element_size(), start)
         return output
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
@@ -118,6 +121,8 @@ class ShmAllReduce:
             start = time.perf_counter()
             flat, out = tensor.detach().reshape(-1), output.detach().view(-1)
             n = out.numel()
+            if flat.numel() != self.world * n:
+                raise ValueError(f"reduce_scatter: input has {flat.numel()} elements, not {self.world} x {n}")
             blocks = flat.view(self.world, n)
             per_block = self.slot_bytes // flat.element_size() // self.world
             for begin in range(0, n, per_block):

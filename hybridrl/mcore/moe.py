@@ -147,9 +147,10 @@ def aux_loss_metrics(config: Any, num_micro_batches: int) -> dict[str, float]:
     if getattr(config, "num_moe_experts", None) is None:
         return {}
     entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss") or {}
-    total = torch.zeros(1, dtype=torch.float64)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None  # NCCL: CUDA
+    total = torch.zeros(1, dtype=torch.float64, device=device)
     if "values" in entry:
-        total[0] = entry["values"].detach().double().sum().cpu()
+        total[0] = entry["values"].detach().double().sum().to(total.device)
     clear_aux_losses_tracker()
     # Megatron's own reduction of the tracker: a router that computed its loss over a slice of the tokens (the
     # sequence's TP slice under sequence parallelism) names the group its parts sum over; one whose group holds

@@ -27,7 +27,15 @@ pytestmark = pytest.mark.multirank
 LAYOUTS = {
     "dp2_ep2": [],  # the config's own layout
     # TP2 with sequence parallelism (Megatron's MoE layer trains at TP > 1 only with it); each rank keeps all experts
-    "tp2_sp": ["actor.megatron.tp_size=2", "actor.megatron.ep_size=1", "actor.megatron.sequence_parallel=true"],
+    # with routing replay (the update routes each token of this rank's sequence slice as vLLM did) at a learning rate
+    # that moves the router between rollout and update (test_moe_routing_e2e.py's)
+    "tp2_sp": [
+        "actor.megatron.tp_size=2",
+        "actor.megatron.ep_size=1",
+        "actor.megatron.sequence_parallel=true",
+        "actor.moe.routing_replay=true",
+        "actor.optim.lr=0.05",
+    ],
 }
 
 
@@ -49,6 +57,9 @@ def test_grpo_on_an_moe_policy_two_steps(tmp_path, layout):
             assert isinstance(h.get(key), float) and math.isfinite(h[key]), (key, h.get(key))
         assert h["actor/moe/load_balancing_loss"] > 0
     assert steps[0]["actor/param_norm"] != steps[1]["actor/param_norm"]
+    if layout == "tp2_sp":  # replay: the update's routes are vLLM's, while the router's own top-k drifts
+        assert all(h["actor/moe/routing_mismatch"] == 0.0 for h in steps), steps
+        assert max(h["actor/moe/routing_mismatch_router"] for h in steps) > 0
     assert steps[1]["rollout/logprob_mismatch"] < 1e-3, steps[1]["rollout/logprob_mismatch"]
     # DP2 x EP2 (TP2) -> rollout TP1: each rank received the other's experts (TP shards), exactly what it needs,
     # and probed them
