@@ -81,15 +81,20 @@ def plant_in_metadata(folder: Any, payload: Any) -> None:
 
 
 def plant_as_item(folder: Any, payload: Any) -> str:
-    """Append ``payload`` to a shard of the DCP folder and point its first non-tensor item at it; the shard."""
+    """Append ``payload`` to a shard of the DCP folder and point a non-tensor item at it; the shard.
+
+    The item is the first by (shard file, name): the metadata's own order follows the order the ranks' writer
+    threads finished in, which differs between runs, so its first item sits in ``__0_0.distcp`` or another file.
+    """
     import dataclasses
     import io
 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     metadata = pickle.loads((folder / ".metadata").read_bytes())
-    index, info = next((i, s) for i, s in metadata.storage_data.items()
-                       if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))  # fmt: skip
+    items = [(i, s) for i, s in metadata.storage_data.items()
+             if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata)]  # fmt: skip
+    index, info = min(items, key=lambda item: (item[1].relative_path, item[0].fqn, item[1].offset))
     data = io.BytesIO()
     torch.save([payload], data)
     shard = folder / info.relative_path
