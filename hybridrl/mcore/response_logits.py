@@ -16,9 +16,15 @@ change float summation order); the gradient reaching the final norm is the same 
 positions received none. With a prompt-shared pass this also replaces :func:`hybridrl.mcore.prefix_share.unpack`:
 the same rows are picked before the output layer instead of after it.
 
-Not used (the full output is kept) where the selection would be wrong: sequence parallelism (the hidden
-states are split over TP along the sequence), multi-token prediction (which reads every position), and heads
-that do not declare ``reads_responses_only`` (a user head may read any position).
+Under sequence parallelism each TP rank's decoder output holds its slice of the sequence, which the output layer
+would all-gather itself: the pre-hook gathers it instead (``gather_from_sequence_parallel_region``), picks the rows
+and runs the layer with its own gather off for that call. The gather's backward hands each rank its slice of the
+input gradient, as it arrives: Megatron's vocab-split output layer, its gather off, all-reduces its input gradient
+over TP itself (each rank's is a partial sum over its vocabulary shard), and a replicated head (a critic's value
+head) computes the whole one on every rank.
+
+Not used (the full output is kept) where the selection would be wrong: multi-token prediction (which reads every
+position), and heads that do not declare ``reads_responses_only`` (a user head may read any position).
 """
 
 from __future__ import annotations
@@ -55,8 +61,7 @@ def usable(chunks: list[torch.nn.Module], head) -> bool:
     """Whether the pass may run the output layer on the response positions only (module docs)."""
     if not getattr(head, "reads_responses_only", False):
         return False
-    config = get_model_config(chunks[0])
-    return not config.sequence_parallel and not getattr(config, "mtp_num_layers", None)
+    return not getattr(get_model_config(chunks[0]), "mtp_num_layers", None)
 
 
 class Selector:
@@ -64,6 +69,7 @@ class Selector:
 
     def __init__(self) -> None:
         self.index: torch.Tensor | None = None
+        self.gathered: list[torch.nn.Module] = []  # layers whose own sequence gather is off for the current call
 
     def set(self, micro_batch: dict[str, torch.Tensor]) -> None:
         """Select ``micro_batch``'s response positions in the next output-layer call."""
@@ -74,11 +80,24 @@ class Selector:
         hidden = args[0]
         if self.index is None:
             return None
-        s, b, h = hidden.shape
         index = self.index
         self.index = None  # one output-layer call per model call
+        if getattr(module, "sequence_parallel", False):  # this rank's slice of the sequence: gather it (module docs)
+            from megatron.core import tensor_parallel
+
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+            module.sequence_parallel = False
+            self.gathered.append(module)
+        s, b, h = hidden.shape
         picked = hidden.reshape(s * b, h)[index.reshape(-1)].unsqueeze(0)  # [1, rows * r, h]: see the module docs
         return (picked, *args[1:]), kwargs
+
+    def after(self, module, args, output):
+        """Forward hook: the layer's own sequence gather back on after a call the pre-hook gathered for."""
+        if module in self.gathered:
+            self.gathered.remove(module)
+            module.sequence_parallel = True
+        return None
 
 
 def as_responses(output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -104,6 +123,7 @@ def installed(chunks: list[torch.nn.Module], enabled: bool) -> Iterator[Selector
         for model in chunk.modules():
             if isinstance(model, GPTModel) and model.post_process and getattr(model, "output_layer", None) is not None:
                 handles.append(model.output_layer.register_forward_pre_hook(selector.hook, with_kwargs=True))
+                handles.append(model.output_layer.register_forward_hook(selector.after))
     try:
         yield selector if handles else None
     finally:

@@ -1,6 +1,7 @@
 """The output layer runs on the response positions only (hybridrl.mcore.response_logits), with unchanged numerics.
 
-On one gloo rank, through the trainer's calls (``compute.compute_log_probs`` / ``compute_values`` /
+On one gloo rank, and on two at TP2 with sequence parallelism (the decoder's output split along the sequence:
+the selection gathers it itself), through the trainer's calls (``compute.compute_log_probs`` / ``compute_values`` /
 ``forward_backward`` on models from ``roles``), for unshared and prompt-shared (packed) passes of a GRPO-like
 batch: a hook counts the rows that reach each output layer (``rows x r`` per micro-batch, never the whole
 ``b x s`` grid), and log-probs, entropy, critic values, the loss and every gradient equal those of the same pass
@@ -59,8 +60,9 @@ def _body(rank: int, world_size: int, paths: dict, batch: dict) -> dict:
     from hybridrl.mcore import compute, response_logits, roles
     from tests.mcore.shards import init_layout
 
-    init_layout()
-    actor, critic = roles.build_actor(paths["actor"]), roles.build_critic(paths["critic"])
+    init_layout(tp=world_size)
+    options = {"sequence_parallel": True} if world_size > 1 else {}
+    actor, critic = roles.build_actor(paths["actor"], **options), roles.build_critic(paths["critic"], **options)
     out: dict = {}
     for share in (False, True):
         seen: list[int] = []
@@ -80,15 +82,31 @@ def _body(rank: int, world_size: int, paths: dict, batch: dict) -> dict:
     return out
 
 
+def _even_width(batch: dict) -> dict:
+    """``batch`` with one more column of response padding when its width is odd: sequence parallelism splits the
+    sequence over 2 ranks (a run's width, max_prompt_length + max_response_length, is checked to allow it)."""
+    if batch["input_ids"].shape[1] % 2 == 0:
+        return batch
+    out = {k: torch.nn.functional.pad(v, (0, 1)) for k, v in batch.items()}
+    out["position_ids"] = (out["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    out["old_log_probs"][:, -1] = -5.0
+    return out
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    batch = grpo_batch()
-    paths = {
+def paths(tmp_path_factory):
+    return {
         "actor": hf_tiny.make_checkpoint("llama", str(tmp_path_factory.mktemp("actor")), seed=21),
         "critic": hf_tiny.make_checkpoint("llama", str(tmp_path_factory.mktemp("critic")), seed=22, score=True),
     }
+
+
+@pytest.fixture(scope="module", params=["tp1", "tp2_sp"])
+def results(request, paths, tmp_path_factory):
+    world = 2 if request.param == "tp2_sp" else 1
+    batch = grpo_batch() if world == 1 else _even_width(grpo_batch())
     ref = hf_reference(paths["actor"], paths["critic"], batch, str(tmp_path_factory.mktemp("grads")))
-    return batch, ref, run_ranks(_body, 1, paths, batch, timeout=600)[0]
+    return batch, ref, run_ranks(_body, world, paths, batch, timeout=600)[0]
 
 
 @pytest.mark.parametrize("share", [False, True])
