@@ -85,7 +85,9 @@ class Selector:
         if getattr(module, "sequence_parallel", False):  # this rank's slice of the sequence: gather it (module docs)
             from megatron.core import tensor_parallel
 
-            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False, group=getattr(module, "tp_group", None)
+            )
             module.sequence_parallel = False
             self.gathered.append(module)
         s, b, h = hidden.shape
@@ -123,9 +125,13 @@ def installed(chunks: list[torch.nn.Module], enabled: bool) -> Iterator[Selector
         for model in chunk.modules():
             if isinstance(model, GPTModel) and model.post_process and getattr(model, "output_layer", None) is not None:
                 handles.append(model.output_layer.register_forward_pre_hook(selector.hook, with_kwargs=True))
-                handles.append(model.output_layer.register_forward_hook(selector.after))
+                # always_call: the gather back on even when the layer's forward raises
+                handles.append(model.output_layer.register_forward_hook(selector.after, always_call=True))
     try:
         yield selector if handles else None
     finally:
         for handle in handles:
             handle.remove()
+        for module in selector.gathered:  # a call the pre-hook saw but the layer never made
+            module.sequence_parallel = True
+        selector.gathered.clear()

@@ -4,10 +4,10 @@ On one gloo rank, and on two at TP2 with sequence parallelism (the decoder's out
 the selection gathers it itself), through the trainer's calls (``compute.compute_log_probs`` / ``compute_values`` /
 ``forward_backward`` on models from ``roles``), for unshared and prompt-shared (packed) passes of a GRPO-like
 batch: a hook counts the rows that reach each output layer (``rows x r`` per micro-batch, never the whole
-``b x s`` grid), and log-probs, entropy, critic values, the loss and every gradient equal those of the same pass
-with the selection off (the full output gathered afterwards) within 1e-6; log-probs equal HF transformers' within
-1e-5 (the independent reference, unpacked rows). A head that does not declare ``reads_responses_only`` still
-gets the full ``(mb, s, V)`` output.
+``b x s`` grid), and log-probs, entropy, critic values, the loss and every gradient (the actor's and, from a
+value loss, the critic's) equal those of the same pass with the selection off (the full output gathered
+afterwards) within 1e-6; log-probs equal HF transformers' within 1e-5 (the independent reference, unpacked
+rows). A head that does not declare ``reads_responses_only`` still gets the full ``(mb, s, V)`` output.
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ def _passes(actor, critic, batch, share):
     step = compute.forward_backward(actor.chunks, batch, loss_fn, 4, head=head, share_prefix=share)
     grads = {n: p.grad.detach().clone() for n, p in actor.chunks[0].named_parameters()}
     values = compute.compute_values(critic.chunks, batch, 4, share_prefix=share)
+    for p in critic.parameters():
+        p.grad = None
+    compute.forward_backward(critic.chunks, batch, lambda o, mb: ((o["values"] - mb["advantages"]) ** 2, {}), 4,
+                             head=compute.ValuesHead(), share_prefix=share)  # fmt: skip
+    grads.update({f"critic.{n}": p.grad.detach().clone() for n, p in critic.chunks[0].named_parameters()})
     return {**lp, "values": values, "loss": torch.tensor(step.loss)}, grads
 
 
