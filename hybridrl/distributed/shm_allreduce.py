@@ -24,10 +24,12 @@ rank has mapped it, so nothing is left behind however the processes end.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -77,32 +79,27 @@ class ShmAllReduce:
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` (any shape, contiguous, a dtype of :data:`DTYPES`) over the group, in place."""
-        with torch.profiler.record_function(PROFILE_LABEL):
-            self._reduce(tensor.detach().view(-1))  # in place, as gloo's all-reduce: outside autograd
+        flat = tensor.detach().view(-1)  # in place, as gloo's all-reduce: outside autograd
+        with self._call(flat):
+            per_slot = self.slot_bytes // flat.element_size()
+            for begin in range(0, flat.numel(), per_slot):
+                piece = flat[begin : begin + per_slot]
+                slots = self._next_slots(flat.dtype, piece.numel())
+                slots[self.rank].copy_(piece)
+                dist.barrier(group=self.group)
+                torch.add(slots[0], slots[1], out=piece)
+                for other in range(2, self.world):
+                    piece.add_(slots[other])
         return tensor
-
-    def _reduce(self, flat: torch.Tensor) -> None:
-        start = time.perf_counter()
-        per_slot = self.slot_bytes // flat.element_size()
-        for begin in range(0, flat.numel(), per_slot):
-            piece = flat[begin : begin + per_slot]
-            slots = self._next_slots(flat.dtype, piece.numel())
-            slots[self.rank].copy_(piece)
-            dist.barrier(group=self.group)
-            torch.add(slots[0], slots[1], out=piece)
-            for other in range(2, self.world):
-                piece.add_(slots[other])
-        self._count(flat.numel() * flat.element_size(), start)
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         """``output`` (``world`` x ``tensor``'s elements, contiguous) <- every rank's ``tensor``, in rank order along
         the first dimension: ``torch.distributed.all_gather_into_tensor``, with the same slot rounds."""
-        with torch.profiler.record_function(PROFILE_LABEL):
-            start = time.perf_counter()
-            flat, out = tensor.detach().reshape(-1), output.detach().view(-1)
-            n = flat.numel()
-            if out.numel() != self.world * n:
-                raise ValueError(f"all_gather: output has {out.numel()} elements, not {self.world} x {n}")
+        flat, out = tensor.detach().reshape(-1), output.detach().view(-1)
+        n = flat.numel()
+        if out.numel() != self.world * n:
+            raise ValueError(f"all_gather: output has {out.numel()} elements, not {self.world} x {n}")
+        with self._call(out):
             per_slot = self.slot_bytes // flat.element_size()
             for begin in range(0, n, per_slot):
                 piece = flat[begin : begin + per_slot]
@@ -111,18 +108,16 @@ class ShmAllReduce:
                 dist.barrier(group=self.group)
                 for other in range(self.world):
                     out[other * n + begin : other * n + begin + piece.numel()].copy_(slots[other])
-            self._count(out.numel() * out.element_size(), start)
         return output
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         """``output`` <- the sum over ranks of this rank's block of ``tensor`` (``world`` blocks along the first
         dimension): ``torch.distributed.reduce_scatter_tensor`` (SUM), added in rank order as :meth:`__call__`."""
-        with torch.profiler.record_function(PROFILE_LABEL):
-            start = time.perf_counter()
-            flat, out = tensor.detach().reshape(-1), output.detach().view(-1)
-            n = out.numel()
-            if flat.numel() != self.world * n:
-                raise ValueError(f"reduce_scatter: input has {flat.numel()} elements, not {self.world} x {n}")
+        flat, out = tensor.detach().reshape(-1), output.detach().view(-1)
+        n = out.numel()
+        if flat.numel() != self.world * n:
+            raise ValueError(f"reduce_scatter: input has {flat.numel()} elements, not {self.world} x {n}")
+        with self._call(flat):
             blocks = flat.view(self.world, n)
             per_block = self.slot_bytes // flat.element_size() // self.world
             for begin in range(0, n, per_block):
@@ -135,7 +130,6 @@ class ShmAllReduce:
                 torch.add(mine[0], mine[1], out=piece)
                 for other in range(2, self.world):
                     piece.add_(mine[other])
-            self._count(flat.numel() * flat.element_size(), start)
         return output
 
     def _next_slots(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -143,9 +137,14 @@ class ShmAllReduce:
         self._round += 1
         return self._slots[self._round % 2].view(dtype)[:, :numel]
 
-    def _count(self, nbytes: int, start: float) -> None:
+    @contextlib.contextmanager
+    def _call(self, whole: torch.Tensor) -> Iterator[None]:
+        """One collective: labelled for the profiler and counted in :attr:`stats` (``whole``: its whole tensor)."""
+        with torch.profiler.record_function(PROFILE_LABEL):
+            start = time.perf_counter()
+            yield
         self.stats.calls += 1
-        self.stats.bytes += nbytes
+        self.stats.bytes += whole.numel() * whole.element_size()
         self.stats.seconds += time.perf_counter() - start
 
     def close(self) -> None:

@@ -152,16 +152,13 @@ def aux_loss_metrics(config: Any, num_micro_batches: int) -> dict[str, float]:
     if "values" in entry:
         total[0] = entry["values"].detach().double().sum().to(total.device)
     clear_aux_losses_tracker()
-    # Megatron's own reduction of the tracker: a router that computed its loss over a slice of the tokens (the
-    # sequence's TP slice under sequence parallelism) names the group its parts sum over; one whose group holds
-    # the data-parallel ranks too needs no average over them
+    # as Megatron reduces its tracker: the router computed its loss over a slice of the tokens (this TP rank's
+    # sequence slice under sequence parallelism) and names the group the slices' parts add over
     dp_group = mpu.get_data_parallel_group()
-    has_dp = bool(entry.get("reduce_group_has_dp", False))
-    groups = [mpu.get_pipeline_model_parallel_group(), entry.get("reduce_group")] + ([] if has_dp else [dp_group])
-    for group in groups:
+    for group in (mpu.get_pipeline_model_parallel_group(), entry.get("reduce_group"), dp_group):
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)
     if total[0].item() == 0:
         return {}
-    dp = 1 if has_dp else dist.get_world_size(dp_group)
+    dp = dist.get_world_size(dp_group)
     return {AUX_LOSS_METRIC: total[0].item() / (dp * config.num_layers * max(num_micro_batches, 1))}
