@@ -19,6 +19,7 @@ sent through the object collective, so every rank raises the same ValueError ins
 from __future__ import annotations
 
 import math
+import pickle
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +47,18 @@ def _offsets(schema: Schema, rows: int) -> tuple[list[int], int]:
         offsets.append(end)
         end += -(-nbytes // _ALIGN) * _ALIGN
     return offsets, end
+
+
+def _local(obj: Any) -> Any:
+    """What an object collective over a group of one rank would hand back: a pickled copy of ``obj``.
+
+    Collectives over a single rank are made locally, never through the backend. Gloo runs a collective on its
+    own threads, and a large copy there starts an OpenMP thread team owned by that thread. Once a process has
+    more OpenMP threads than CPUs, GNU OpenMP (torch's) stops spinning between parallel regions for good, so
+    every later parallel op of the main thread wakes its workers from sleep: one process with two threads ran
+    its steps 13% slower after the first such collective (docs/cpu_stack.md, "OpenMP threads").
+    """
+    return pickle.loads(pickle.dumps(obj))
 
 
 def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -113,7 +126,10 @@ def scatter(data: DataProto | None, group: dist.ProcessGroup | None = None, src:
             header = (_schema(data), n // world)
             objects = [(header, c.non_tensor_batch, data.meta_info) for c in data.chunk(world)]
     received: list[Any] = [None]
-    dist.scatter_object_list(received, objects, src=src, group=group)
+    if world == 1:  # no collective (see _local): the same result as one, made here
+        received = [_local(objects[0])]
+    else:
+        dist.scatter_object_list(received, objects, src=src, group=group)
     if isinstance(received[0], str):
         raise ValueError(received[0])
     (schema, rows), non_tensors, meta_info = received[0]
@@ -127,7 +143,10 @@ def scatter(data: DataProto | None, group: dist.ProcessGroup | None = None, src:
             packed = torch.empty(world, nbytes, dtype=torch.uint8, device=device)
             _pack(data, packed, world)
             chunks = list(packed.unbind(0))
-        dist.scatter(mine, chunks, src=src, group=group)
+        if world == 1:
+            mine = chunks[0]
+        else:
+            dist.scatter(mine, chunks, src=src, group=group)
     return DataProto(_unpack(mine, schema, rows), non_tensors, meta_info)
 
 
@@ -185,7 +204,10 @@ def all_gather(data: DataProto, group: dist.ProcessGroup | None = None) -> DataP
         "meta_info": data.meta_info,
     }
     headers: list[Any] = [None] * world
-    dist.all_gather_object(headers, header, group=group)
+    if world == 1:  # no collective (see _local): the same result as one, made here
+        headers = [_local(header)]
+    else:
+        dist.all_gather_object(headers, header, group=group)
     _check_schemas(headers)
 
     device = _comm_device(group)
@@ -194,7 +216,10 @@ def all_gather(data: DataProto, group: dist.ProcessGroup | None = None) -> DataP
     if max_bytes:
         send = torch.zeros(1, max_bytes, dtype=torch.uint8, device=device)
         _pack(data, send[:, :nbytes], 1)
-        dist.all_gather(list(gathered.unbind(0)), send[0], group=group)
+        if world == 1:
+            gathered = send
+        else:
+            dist.all_gather(list(gathered.unbind(0)), send[0], group=group)
     parts = [  # each rank's bytes in that rank's own field order (ranks may have inserted fields differently)
         DataProto(_unpack(gathered[r], h["schema"], h["rows"]), h["non_tensor_batch"], h["meta_info"])
         for r, h in enumerate(headers)

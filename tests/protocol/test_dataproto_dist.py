@@ -96,6 +96,27 @@ def _capture(fn: Callable[[], object]) -> str:
     return "no error"
 
 
+def _threads_started_by_single_rank_calls() -> int:
+    """Threads a scatter and an all_gather of a large batch start in a one-rank world with two torch threads.
+
+    Through gloo, a collective's copies run on gloo's own thread, and a large one there starts an OpenMP team of
+    that thread's: a new thread, and a process with more OpenMP threads than CPUs (protocol_dist._local).
+    """
+    import os
+
+    torch.set_num_threads(2)
+    try:
+        torch.zeros(1 << 20).add_(1)  # this thread's own team first: its worker is not what is counted
+        before = len(os.listdir("/proc/self/task"))
+        big = DataProto.from_dict({"x": torch.ones(64, 4096), "y": torch.arange(64 * 512).view(64, 512)})
+        gathered, chunk = all_gather(big), scatter(big)
+        assert_same(gathered, big)
+        assert_same(chunk, big)
+        return len(os.listdir("/proc/self/task")) - before
+    finally:
+        torch.set_num_threads(1)
+
+
 def _body(rank: int, world: int) -> bytes:
     import torch.distributed as dist
 
@@ -131,6 +152,8 @@ def _body(rank: int, world: int) -> bytes:
         out[f"scatter_calls_{count}"] = _count_calls(lambda data=data: scatter(data if rank == 0 else None))
         out[f"gather_calls_{count}"] = _count_calls(lambda data=data: all_gather(data.chunk(world)[rank]))
 
+    if world == 1:
+        out["threads_started"] = _threads_started_by_single_rank_calls()
     if world == 3:  # a subgroup without rank 1; src is a global rank
         group = dist.new_group([0, 2])
         if rank != 1:
@@ -197,13 +220,23 @@ def test_errors_are_raised_on_every_rank(ranks):
 
 
 def test_number_of_collectives_does_not_depend_on_the_number_of_fields(ranks):
-    _, results = ranks
+    world, results = ranks
     for res in results:
         assert res["scatter_calls_2"] == res["scatter_calls_10"]
         assert res["gather_calls_2"] == res["gather_calls_10"]
+        if world == 1:  # nothing to exchange: made locally, no collective at all
+            assert res["scatter_calls_10"] == res["gather_calls_10"] == ({}, {})
+            continue
         assert res["scatter_calls_10"][0] == {"scatter_object_list": 1, "scatter": 1}
         assert res["gather_calls_10"][0] == {"all_gather_object": 1, "all_gather": 1}
         assert sum(res["scatter_calls_10"][1].values()) <= 5 and sum(res["gather_calls_10"][1].values()) <= 4
+
+
+def test_one_rank_starts_no_thread(ranks):
+    world, results = ranks
+    if world != 1:
+        pytest.skip("a one-rank world's calls; with more ranks the backend's threads do move the bytes")
+    assert results[0]["threads_started"] == 0
 
 
 def test_subgroup_with_a_global_src_rank(ranks):
