@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable
 
 import hybridrl
+from hybridrl import distributed
 from hybridrl.errors import InputError, is_peer_failure, report_input_error, report_peer_failure
 from hybridrl.trainer import startup
 
@@ -273,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     if launched:
         startup.keep_freed_memory()  # CPU runs: tensors reuse the heap instead of fresh pages every pass
     code = funnel(lambda: COMMANDS[command](rest))
+    if launched and code == 0:  # the groups go down before the exit hooks run (hybridrl.distributed.end_distributed)
+        code = funnel(distributed.end_distributed)
     if launched:
         startup.finish_quickly()
     return code

@@ -22,12 +22,13 @@ if TYPE_CHECKING:
         collective_timeout_s,
         default_backend,
         detect_env,
+        end_distributed,
         expand_nodelist,
         init_distributed,
     )
 
 _ENV_NAMES = {"LaunchError", "ProcessEnv", "apply_collective_timeout", "collective_timeout_s", "default_backend",
-              "detect_env", "expand_nodelist", "init_distributed"}  # fmt: skip
+              "detect_env", "end_distributed", "expand_nodelist", "init_distributed"}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
@@ -57,6 +58,7 @@ __all__ = [
     "collective_timeout_s",
     "default_backend",
     "detect_env",
+    "end_distributed",
     "expand_nodelist",
     "init_distributed",
     "init_model_parallel",

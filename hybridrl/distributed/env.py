@@ -172,6 +172,17 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Pr
     return penv
 
 
+def end_distributed() -> None:
+    """Wait for every rank, then take every process group down (nothing to do without ``torch.distributed``).
+
+    A launched command calls it after its last collective, when it has succeeded: a rank that leaves with gloo's
+    threads still up can abort in its C++ teardown at interpreter exit ("terminate called without an active
+    exception", exit -6) after all its work is written, and the launcher then reports the whole job failed."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def collective_timeout_s(default: float = 600.0) -> float:
     """The collective timeout :func:`init_distributed` gave the default group (``default`` if it did not run)."""
     return _timeout_s if _timeout_s is not None else default

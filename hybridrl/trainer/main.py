@@ -22,7 +22,14 @@ from typing import Any
 import torch.distributed as dist
 
 from hybridrl.config import ConfigError, RunConfig, load_config, run_layout
-from hybridrl.distributed import LaunchError, ParallelLayout, detect_env, init_distributed, init_model_parallel
+from hybridrl.distributed import (
+    LaunchError,
+    ParallelLayout,
+    detect_env,
+    end_distributed,
+    init_distributed,
+    init_model_parallel,
+)
 from hybridrl.trainer import startup
 from hybridrl.trainer.preflight import (
     ModelPathError,
@@ -315,7 +322,4 @@ def export(checkpoint: str, out: str, role: str = "actor", tp: int = 1, pp: int 
     if penv.rank == 0:
         also = f" (LoRA adapter: {adapter})" if adapter else ""
         print(f"[hybridrl] exported {role} of {checkpoint} to {out}{also}", flush=True)
-    # every rank is done writing before any exits, and the groups go down cleanly: a rank leaving with its gloo
-    # threads still up can abort at interpreter exit ("terminate called without an active exception")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_distributed()  # every rank is done writing before any exits, and the groups go down cleanly

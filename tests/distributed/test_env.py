@@ -107,7 +107,16 @@ def _groups_body(rank, world_size):
         "dp": dist.get_process_group_ranks(mpu.get_data_parallel_group()),
     }
     expected = {axis: layout.group_of(axis, rank) for axis in groups}
-    return {"groups": groups, "expected": expected, "backend": dist.get_backend(), "shims": cpu_compat.is_applied()}
+    backend, shims = dist.get_backend(), cpu_compat.is_applied()
+    # the end of every launched command: all groups down (Megatron's too), and a second call is a no-op
+    from torch.distributed import distributed_c10d as c10d
+
+    from hybridrl.distributed import end_distributed
+
+    end_distributed()
+    end_distributed()
+    ended = (dist.is_initialized(), len(c10d._world.pg_map))
+    return {"groups": groups, "expected": expected, "backend": backend, "shims": shims, "ended": ended}
 
 
 @pytest.mark.multirank
@@ -116,6 +125,7 @@ def test_megatron_groups_on_four_gloo_ranks():
     for rank, r in enumerate(results):
         assert r["backend"] == "gloo" and r["shims"], rank
         assert {k: sorted(v) for k, v in r["groups"].items()} == r["expected"], rank
+        assert r["ended"] == (False, 0), rank
 
 
 def _single_body(rank, world_size):
