@@ -274,9 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     if launched:
         startup.keep_freed_memory()  # CPU runs: tensors reuse the heap instead of fresh pages every pass
     code = funnel(lambda: COMMANDS[command](rest))
-    if launched and code == 0:  # the groups go down before the exit hooks run (hybridrl.distributed.end_distributed)
-        code = funnel(distributed.end_distributed)
-    if launched:
+    if launched and code == 0:  # every rank done, the exit hooks, then the groups left down (end_distributed)
+        code = funnel(lambda: distributed.end_distributed(exit_hooks=startup.finish_quickly))
+    elif launched:
         startup.finish_quickly()
     return code
 

@@ -20,7 +20,7 @@ import datetime
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -172,14 +172,19 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Pr
     return penv
 
 
-def end_distributed() -> None:
-    """Wait for every rank, then take every process group down (nothing to do without ``torch.distributed``).
+def end_distributed(exit_hooks: Callable[[], None] | None = None) -> None:
+    """Wait for every rank, run ``exit_hooks``, then take every process group left down.
 
-    A launched command calls it after its last collective, when it has succeeded: a rank that leaves with gloo's
+    A launched command calls it when it has succeeded, after its last collective: a rank that leaves with gloo's
     threads still up can abort in its C++ teardown at interpreter exit ("terminate called without an active
-    exception", exit -6) after all its work is written, and the launcher then reports the whole job failed."""
+    exception", exit -6) after all its work is written, and the launcher then reports the whole job failed. The
+    hooks run between the two (vLLM's engine shutdown destroys its own groups and then the default group: with
+    no group left first, it would fail on its first). Without ``torch.distributed`` only the hooks run."""
     if dist.is_initialized():
         dist.barrier()
+    if exit_hooks is not None:
+        exit_hooks()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -30,6 +30,7 @@ def _train(tmp_path: Path, *overrides: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert "Traceback" not in result.stderr, result.stderr[-4000:]  # nor one at exit (the groups' and vLLM's teardown)
     lines = (out / "logs" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
 

@@ -32,6 +32,7 @@ def _torchrun(nproc: int, *args: str) -> str:
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), "-m", "hybridrl", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]  # nor one at exit (the groups' and vLLM's teardown)
     return done.stdout
 
 
