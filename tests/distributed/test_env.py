@@ -113,9 +113,10 @@ def _groups_body(rank, world_size):
 
     from hybridrl.distributed import end_distributed
 
+    hooks_saw = []  # the exit hooks (vLLM's engine shutdown) run while the groups are still up
+    end_distributed(exit_hooks=lambda: hooks_saw.append(len(c10d._world.pg_map)))
     end_distributed()
-    end_distributed()
-    ended = (dist.is_initialized(), len(c10d._world.pg_map))
+    ended = (dist.is_initialized(), len(c10d._world.pg_map), len(hooks_saw), hooks_saw[0] > 1)
     return {"groups": groups, "expected": expected, "backend": backend, "shims": shims, "ended": ended}
 
 
@@ -125,7 +126,7 @@ def test_megatron_groups_on_four_gloo_ranks():
     for rank, r in enumerate(results):
         assert r["backend"] == "gloo" and r["shims"], rank
         assert {k: sorted(v) for k, v in r["groups"].items()} == r["expected"], rank
-        assert r["ended"] == (False, 0), rank
+        assert r["ended"] == (False, 0, 1, True), rank
 
 
 def _single_body(rank, world_size):
