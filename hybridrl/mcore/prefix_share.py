@@ -32,6 +32,7 @@ the packed-row count are the batch's maxima, short micro-batches repeat their la
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,9 +41,6 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.utils import get_model_config
-
-MASKED = -10000.0
-"""Megatron's masked-score fill (``attention_mask_func``): ``exp`` of it is 0 in fp32, like theirs."""
 
 
 def unsupported(chunks: list[torch.nn.Module]) -> str | None:
@@ -235,17 +233,21 @@ def unpack(output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.
 # ---- the packed pass: core attention and RoPE positions --------------------------------------------------
 class SharedPrefixAttention(torch.nn.Module):
     """Core attention over packed rows (module docs): Megatron's ``DotProductAttention`` math (scaled scores,
-    masked fill, softmax in fp32 when asked) on the prompt block and on each response's ``[prompt, own]``
-    keys. Query head ``h`` uses key/value group ``h // (heads / groups)``, as Megatron's GQA does."""
+    masked softmax, probabilities times values) on the prompt block and on each response's ``[prompt, own]``
+    keys, through ``torch.nn.functional.scaled_dot_product_attention`` (query head ``h`` uses key/value group
+    ``h // (heads / groups)``, as Megatron's GQA does).
 
-    def __init__(self, softmax_scale: float, softmax_in_fp32: bool) -> None:
+    The fused kernel never holds the ``(.., Rw, Pw + Rw)`` scores and probabilities: on CPU its flash form (blocks
+    of keys, a running max and sum, the softmax in fp32) takes 0.35x the forward and 0.5x the backward time of
+    the same math as separate matmul / masked_fill / softmax ops, and saves only the output's log-sum-exp for the
+    backward (23.7M bench model, 64 responses of 128 tokens in groups of 4, 2 threads). Masked keys get no weight
+    either way (Megatron fills them with -10000, whose ``exp`` is 0 in fp32, the kernel with ``-inf``); every
+    query sees at least its prompt's valid keys. The softmax runs in fp32 whatever the input dtype (the kernel
+    accumulates in fp32), as with ``attention_softmax_in_fp32``."""
+
+    def __init__(self, softmax_scale: float) -> None:
         super().__init__()
         self.softmax_scale = softmax_scale
-        self.softmax_in_fp32 = softmax_in_fp32
-
-    def _softmax(self, scores: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-        x = scores.float() if self.softmax_in_fp32 else scores
-        return torch.softmax(x.masked_fill(masked, MASKED), dim=-1).to(scores.dtype)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None) -> torch.Tensor:  # fmt: skip
@@ -259,30 +261,30 @@ class SharedPrefixAttention(torch.nn.Module):
         pw = w - rw
         if pw + k * rw != L:
             raise RuntimeError(f"packed mask {tuple(attention_mask.shape)} does not fit a sequence of {L}")
-        qpg = heads // ng
-        q = query.permute(1, 2, 0, 3).reshape(g, ng, qpg, L, d)  # (G, groups, heads per group, L, d)
-        kk, vv = (x.permute(1, 2, 0, 3) for x in (key, value))  # (G, groups, L, d)
-        kp, vp = kk[:, :, :pw], vv[:, :, :pw]
-        kr, vr = (x[:, :, pw:].reshape(g, ng, k, rw, d) for x in (kk, vv))
-        # the heads of a group share its keys: folded into the query rows, no key or value is copied per head
-        # prompt block: causal over the prompt, its padding keys masked
-        causal = torch.ones(pw, pw, dtype=torch.bool, device=q.device).triu(1)
-        pad = attention_mask[:, 0, 0, :pw]  # (G, Pw): prompt columns are the same for every query
-        p_masked = causal | pad[:, None, :]  # a padding query still sees the valid prompt keys before it
-        scores = (q[..., :pw, :].reshape(g, ng, qpg * pw, d) @ kp.transpose(-1, -2)).view(g, ng, qpg, pw, pw)
-        p_probs = self._softmax(scores * self.softmax_scale, p_masked[:, None, None])
-        p_out = (p_probs.view(g, ng, qpg * pw, pw) @ vp).view(g, ng, qpg, pw, d)
-        # responses, slot-major (G, groups, K, heads per group * Rw, d): against the prompt keys, then their own
-        qr = q[..., pw:, :].reshape(g, ng, qpg, k, rw, d).transpose(2, 3).reshape(g, ng, k, qpg * rw, d)
-        to_prompt = (qr.view(g, ng, k * qpg * rw, d) @ kp.transpose(-1, -2)).view(g, ng, k, qpg, rw, pw)
-        to_own = (qr @ kr.transpose(-1, -2)).view(g, ng, k, qpg, rw, rw)
-        scores = torch.cat([to_prompt, to_own], -1) * self.softmax_scale
-        probs = self._softmax(scores, attention_mask[:, None, :, None])  # (G, ng, K, qpg, Rw, Pw + Rw)
-        r_out = (probs[..., :pw].reshape(g, ng, k * qpg * rw, pw) @ vp).view(g, ng, k, qpg * rw, d)
-        r_out = r_out + probs[..., pw:].reshape(g, ng, k, qpg * rw, rw) @ vr
-        r_out = r_out.view(g, ng, k, qpg, rw, d).transpose(2, 3).reshape(g, ng, qpg, k * rw, d)
-        out = torch.cat([p_out, r_out], dim=3)
-        return out.reshape(g, heads, L, d).permute(2, 0, 1, 3).reshape(L, g, heads * d)
+        attend = functools.partial(
+            torch.nn.functional.scaled_dot_product_attention, scale=self.softmax_scale, enable_gqa=heads != ng
+        )
+        q = query.permute(1, 2, 0, 3)  # (G, heads, L, d)
+        kk, vv = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # (G, groups, L, d)
+        # prompt block: causal over the prompt, its padding keys masked (a padding query still sees the valid
+        # prompt keys before it); the kernel's mask is True where a query attends
+        causal = torch.ones(pw, pw, dtype=torch.bool, device=q.device).tril()
+        p_keep = causal & ~attention_mask[:, 0, 0, None, :pw]  # (G, Pw, Pw): prompt columns are the same per query
+        p_out = attend(q[:, :, :pw], kk[:, :, :pw], vv[:, :, :pw], attn_mask=p_keep[:, None])
+
+        # responses: one batch entry per (packed row, slot), its keys the prompt's then its own slot's
+        def slots(x: torch.Tensor) -> torch.Tensor:  # (G, n, L, d) -> (G * K, n, Rw, d)
+            return x[:, :, pw:].unflatten(2, (k, rw)).transpose(1, 2).reshape(g * k, x.shape[1], rw, d)
+
+        def with_prompt(x: torch.Tensor) -> torch.Tensor:  # (G, groups, L, d) -> (G * K, groups, Pw + Rw, d)
+            prompt = x[:, None, :, :pw].expand(g, k, ng, pw, d).reshape(g * k, ng, pw, d)
+            return torch.cat([prompt, slots(x)], dim=2)
+
+        keep = ~attention_mask.reshape(g * k, 1, rw, w)
+        r_out = attend(slots(q), with_prompt(kk), with_prompt(vv), attn_mask=keep)  # (G * K, heads, Rw, d)
+        r_out = r_out.view(g, k, heads, rw, d).transpose(1, 2).reshape(g, heads, k * rw, d)
+        out = torch.cat([p_out, r_out], dim=2)  # (G, heads, L, d)
+        return out.permute(2, 0, 1, 3).reshape(L, g, heads * d)
 
 
 def _softmax_scale(config) -> float:
@@ -296,7 +298,7 @@ def installed(chunks: list[torch.nn.Module]) -> Iterator[None]:
     checkpoint: the swapped modules hold no state)."""
     config = get_model_config(chunks[0])
     swapped, handles = [], []
-    attention = SharedPrefixAttention(_softmax_scale(config), config.attention_softmax_in_fp32)
+    attention = SharedPrefixAttention(_softmax_scale(config))
     try:
         for chunk in chunks:
             for module in chunk.modules():
