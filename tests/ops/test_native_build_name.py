@@ -34,7 +34,7 @@ def test_build_runs_the_environments_ninja(tmp_path):
     other = tmp_path / "bin"
     other.mkdir()
     called = tmp_path / "other_ninja_called"
-    (other / "ninja").write_text(f"#!/bin/sh\necho \"$@\" >> {called}\nexit 1\n")
+    (other / "ninja").write_text(f'#!/bin/sh\necho "$@" >> {called}\nexit 1\n')
     (other / "ninja").chmod(0o755)
     env = {**os.environ, "PATH": os.pathsep.join([str(other), "/usr/bin", "/bin"]), "HYBRIDRL_NATIVE": "1"}
     code = "from hybridrl.ops import _native; assert _native.load().block_copy; print(os.environ['PATH'])"
