@@ -237,10 +237,12 @@ class SharedPrefixAttention(torch.nn.Module):
     keys, through ``torch.nn.functional.scaled_dot_product_attention`` (query head ``h`` uses key/value group
     ``h // (heads / groups)``, as Megatron's GQA does).
 
-    The fused kernel never holds the ``(.., Rw, Pw + Rw)`` scores and probabilities: on CPU its flash form (blocks
-    of keys, a running max and sum, the softmax in fp32) takes 0.35x the forward and 0.5x the backward time of
-    the same math as separate matmul / masked_fill / softmax ops, and saves only the output's log-sum-exp for the
-    backward (23.7M bench model, 64 responses of 128 tokens in groups of 4, 2 threads). Masked keys get no weight
+    The fused kernel never holds the ``(.., Rw, Pw + Rw)`` scores and probabilities: its CPU flash form (blocks of
+    keys, a running max and sum, the softmax in fp32) keeps only the output's log-sum-exp for the backward, where
+    the same math as separate matmul / masked_fill / softmax ops kept the probabilities (23.7M bench model, 64
+    responses of 128 tokens in groups of 4: 70-210 MiB less at the update's peak, the time the same within this
+    machine's drift; without the trainer's allocator settings, which keep freed pages, the separate ops also
+    fault their fresh tensors in, and the kernel takes 0.4x their forward and 0.5x their backward time). Masked keys get no weight
     either way (Megatron fills them with -10000, whose ``exp`` is 0 in fp32, the kernel with ``-inf``); every
     query sees at least its prompt's valid keys. The softmax runs in fp32 whatever the input dtype (the kernel
     accumulates in fp32), as with ``attention_softmax_in_fp32``."""
