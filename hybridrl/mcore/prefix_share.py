@@ -242,10 +242,10 @@ class SharedPrefixAttention(torch.nn.Module):
     the same math as separate matmul / masked_fill / softmax ops kept the probabilities (23.7M bench model, 64
     responses of 128 tokens in groups of 4: 70-210 MiB less at the update's peak, the time the same within this
     machine's drift; without the trainer's allocator settings, which keep freed pages, the separate ops also
-    fault their fresh tensors in, and the kernel takes 0.4x their forward and 0.5x their backward time). Masked keys get no weight
-    either way (Megatron fills them with -10000, whose ``exp`` is 0 in fp32, the kernel with ``-inf``); every
-    query sees at least its prompt's valid keys. The softmax runs in fp32 whatever the input dtype (the kernel
-    accumulates in fp32), as with ``attention_softmax_in_fp32``."""
+    fault their fresh tensors in, and the kernel takes 0.4x their forward and 0.5x their backward time). Masked
+    keys get no weight either way (Megatron fills them with -10000, whose ``exp`` is 0 in fp32, the kernel with
+    ``-inf``); every query sees at least its prompt's valid keys. The softmax runs in fp32 whatever the input
+    dtype (the kernel accumulates in fp32), as with ``attention_softmax_in_fp32``."""
 
     def __init__(self, softmax_scale: float) -> None:
         super().__init__()
