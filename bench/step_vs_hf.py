@@ -218,16 +218,13 @@ def _run(cmd: list[str], env: dict, log: str) -> tuple[float, float, float, str]
             seen: set[int] = set()  # the tree's pids at the previous poll
             while proc.poll() is None:
                 try:
-                    tree = [p for p in (root, *root.children(recursive=True)) if p.is_running()]
+                    alive = [p for p in (root, *root.children(recursive=True)) if p.is_running()]
                     # A child younger than one poll may still share its parent's memory: Python's subprocess (lscpu,
                     # ninja, uname started by vLLM and torch) uses vfork, whose child maps the parent's pages as its
-                    # own until it execs, so its PSS counts them again. Such a sample is skipped; a process living
-                    # longer is counted from the next poll on.
-                    settled = all(p.pid in seen for p in tree)
-                    seen = {p.pid for p in tree}
-                    if not settled:
-                        time.sleep(0.2)
-                        continue
+                    # own until it execs, so its PSS would count them again. A process is counted from the poll
+                    # after the one that first saw it.
+                    tree = [p for p in alive if p.pid in seen]
+                    seen = {p.pid for p in alive}
                     rss = sum(p.memory_info().rss for p in tree) / 2**30
                     peak[0] = max(peak[0], rss)
                     if rss > pss_at * 1.01:  # a new high: read PSS (expensive) now

