@@ -117,7 +117,9 @@ def _body(rank: int, world: int, paths: dict, args: dict) -> dict:
     from hybridrl.distributed import ParallelLayout, init_model_parallel
     from hybridrl.mcore import compute, roles
     from hybridrl.mcore.optimizer import OptimConfig, build_optimizer
+    from hybridrl.trainer import startup
 
+    startup.keep_freed_memory()  # as a launched rank: each pass reuses the heap instead of faulting fresh pages
     torch.set_num_threads(args["threads"])
     init_model_parallel(ParallelLayout.from_world(world), seed=1)
     actor, ref = roles.build_actor(paths["model"]), roles.build_reference(paths["model"])

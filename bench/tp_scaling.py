@@ -25,7 +25,8 @@ is its counted FLOPs (``torch.utils.flop_counter``: the GEMMs and attention matm
 the peak of the cores it used. The TP collectives are counted per transport: calls, MiB and seconds inside them.
 ``--profile`` adds one ``torch.profiler`` pass per layout, split into GEMMs, other aten ops, communication
 (gloo's calls and waits, the shared-memory all-reduce) and the rest (Python, Megatron's glue), forward and
-backward. Goal: TP2 >= 1.6x the 1-thread rank and no slower than 1 rank x 2 threads.
+backward, and the rate its GEMMs ran at per core (their FLOPs from the recorded shapes over their self time), to
+set against the isolated per-core peak above. Goal: TP2 >= 1.6x the 1-thread rank and no slower than 1 rank x 2 threads.
 
     python bench/tp_scaling.py [--model small|tiny] [--response-length 32] [--reps 3] [--rounds 2] [--profile]
                                [--sequence-parallel]
@@ -154,13 +155,16 @@ def _breakdown(fn) -> dict[str, float]:
     ``comm`` (:data:`COMM_OPS`, c10d and gloo events, gloo's backward wait), ``rest`` (wall minus all of those)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         start = time.perf_counter()
         fn()
         wall = time.perf_counter() - start
     parts = dict.fromkeys(("fwd gemm", "fwd other", "bwd gemm", "bwd other", "comm"), 0.0)
+    gemm_flop = 0.0
     for e in prof.events():
         name, seconds = e.name, e.self_cpu_time_total / 1e6
+        if name in GEMMS and seconds > 0:
+            gemm_flop += _gemm_flop(name, e.input_shapes)
         comm = name in COMM_OPS or name == GLOO_WAIT or name.startswith(("c10d::", "gloo:"))
         if seconds <= 0 or not (comm or name.startswith("aten::")):
             continue
@@ -174,7 +178,16 @@ def _breakdown(fn) -> dict[str, float]:
         parts[f"{'bwd' if backward else 'fwd'} {'gemm' if name in GEMMS else 'other'}"] += seconds
     parts["rest"] = max(wall - sum(parts.values()), 0.0)
     parts["wall"] = wall
+    parts["gemm GFLOP/s"] = gemm_flop / 1e9 / max(parts["fwd gemm"] + parts["bwd gemm"], 1e-9)
     return parts
+
+
+def _gemm_flop(name: str, shapes: list) -> float:
+    """FLOPs of one GEMM op from its recorded input shapes (``mm``/``addmm``: ``(m, k) x (k, n)``; the batched
+    ones: ``(b, m, k) x (b, k, n)``)."""
+    a, b = (shapes[1], shapes[2]) if name in ("aten::addmm", "aten::baddbmm") else (shapes[0], shapes[1])
+    batch = a[0] if len(a) == 3 else 1
+    return 2.0 * batch * a[-2] * a[-1] * b[-1]
 
 
 def _one_rank(rank: int, world: int, paths: dict, args: dict) -> dict:
@@ -263,10 +276,12 @@ def _print_profile(last: dict) -> None:
     if not rows:
         return
     cols = ("fwd gemm", "fwd other", "bwd gemm", "bwd other", "comm", "rest", "wall")
-    print("one profiled pass per layout, seconds (rest: outside aten ops: Python, Megatron's glue, the schedule)")
-    print(f"{'layout':32s} " + " ".join(f"{c:>9s}" for c in cols))
+    print("one profiled pass per layout, seconds (rest: outside aten ops: Python, Megatron's glue, the schedule); "
+          "GEMM/core: the pass's GEMM GFLOP/s per core it ran on")  # fmt: skip
+    print(f"{'layout':32s} " + " ".join(f"{c:>9s}" for c in cols) + f" {'GEMM/core':>9s}")
     for name, p in rows:
-        print(f"{name:32s} " + " ".join(f"{p[c]:9.3f}" for c in cols))
+        cores = 2 if name.startswith("1 rank x 2") else 1
+        print(f"{name:32s} " + " ".join(f"{p[c]:9.3f}" for c in cols) + f" {p['gemm GFLOP/s'] / cores:9.1f}")
 
 
 def main() -> None:
