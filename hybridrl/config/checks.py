@@ -120,8 +120,10 @@ def fill_derived(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     if critic.loss_scale_factor is None:
         critic.loss_scale_factor = actor.loss_scale_factor
     critic.model_path = critic.model_path or model.path
+    if actor.log_prob_micro_batch_size_per_gpu is None:
+        actor.log_prob_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
     if ref.log_prob_micro_batch_size_per_gpu is None:
-        ref.log_prob_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+        ref.log_prob_micro_batch_size_per_gpu = actor.log_prob_micro_batch_size_per_gpu
     if rollout.response_length is None:
         rollout.response_length = cfg.data.max_response_length
     if rollout.max_model_len is None:
@@ -176,8 +178,9 @@ def check_choices(cfg: RunConfig, world: int) -> None:
 _POSITIVE = (
     "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs", "data.max_prompt_length",
     "data.max_response_length", "data.train_batch_size", "actor.ppo_mini_batch_size",
-    "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_epochs", "critic.ppo_mini_batch_size",
-    "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs", "ref.log_prob_micro_batch_size_per_gpu",
+    "actor.ppo_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size_per_gpu", "actor.ppo_epochs",
+    "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs",
+    "ref.log_prob_micro_batch_size_per_gpu",
     "rollout.n", "rollout.tp_size", "rollout.val.n", "rollout.response_length", "rollout.max_model_len",
     "reward.model.micro_batch_size_per_gpu", "resources.max_colocate_count", "rollout.sync_bucket_mb",
     "trainer.max_bad_steps",
@@ -457,10 +460,23 @@ def update_schedule(cfg: RunConfig, role: str) -> str:
     c, prompts, n, dp = getattr(cfg, role), cfg.data.train_batch_size, cfg.rollout.n, cfg.actor.megatron.dp_size
     steps = prompts // c.ppo_mini_batch_size * c.ppo_epochs
     responses = c.ppo_mini_batch_size * n
-    return (f"{role}: {steps} optimizer step{'s' * (steps != 1)} per rollout = data.train_batch_size {prompts} / "
+    micro = responses // (c.ppo_micro_batch_size_per_gpu * dp)
+    line = (f"{role}: {steps} optimizer step{'s' * (steps != 1)} per rollout = data.train_batch_size {prompts} / "
             f"{role}.ppo_mini_batch_size {c.ppo_mini_batch_size} (prompts) x ppo_epochs {c.ppo_epochs}; each step "
-            f"{responses} responses (x rollout.n {n}) in {responses // (c.ppo_micro_batch_size_per_gpu * dp)} "
-            f"micro-batches of {c.ppo_micro_batch_size_per_gpu} per DP rank")  # fmt: skip
+            f"{responses} responses (x rollout.n {n}) in {micro} micro-batch{'es' * (micro != 1)} of "
+            f"{c.ppo_micro_batch_size_per_gpu} per DP rank")  # fmt: skip
+    if role != "actor":
+        return line
+    if not c.recompute_old_log_prob:
+        return f"{line}; old log-probs not scored (the update's own forward is the old policy)"
+    per_rank = prompts * n // dp
+    size = min(c.log_prob_micro_batch_size_per_gpu or c.ppo_micro_batch_size_per_gpu, per_rank)
+    count = -(-per_rank // size)
+    m = cfg.actor.megatron
+    if (m.vpp_size or 1) > 1:  # the interleaved schedule runs a multiple of pp micro-batches (the last ones padded)
+        count = -(-count // m.pp_size) * m.pp_size
+    return (f"{line}; old log-probs of {per_rank} responses in {count} micro-batch{'es' * (count != 1)} of {size} "
+            f"per DP rank (actor.log_prob_micro_batch_size_per_gpu)")  # fmt: skip
 
 
 def check_algorithm_roles(cfg: RunConfig, world: int) -> None:

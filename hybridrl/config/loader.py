@@ -43,6 +43,7 @@ PACKAGED_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 ALIASES = {
     "actor_rollout.backend": "rollout.backend",
     "max_colocate_count": "resources.max_colocate_count",
+    "rollout.log_prob_micro_batch_size_per_gpu": "actor.log_prob_micro_batch_size_per_gpu",  # verl's home for it
 }
 """Accepted spellings (YAML and overrides) -> the key they set. Setting both to different values fails."""
 

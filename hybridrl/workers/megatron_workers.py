@@ -235,7 +235,8 @@ class ActorRolloutWorker(_TrainedRole):
         record_routes = records_routes(actor, rollout, self.model.shape.moe is not None)
         if record_routes:  # MoE: compare with (or replay) the experts vLLM chose (hybridrl.mcore.routing)
             routing.install(self.model.chunks, replay=actor.moe.routing_replay)
-        self.ref_micro_batch_size = ref_micro_batch_size or actor.ppo_micro_batch_size_per_gpu
+        self.log_prob_micro_batch_size = actor.log_prob_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
+        self.ref_micro_batch_size = ref_micro_batch_size or self.log_prob_micro_batch_size
         self.optimizer = build_optimizer(self.model.chunks, optim_config(actor.optim, optimizer_steps, m))
         self._setup_dp()
         self.rollout_dp_size, self.rollout_dp_rank, self.rollout_dp_group = rollout_replica_info(layout)
@@ -304,7 +305,7 @@ class ActorRolloutWorker(_TrainedRole):
         out = compute.compute_log_probs(
             self.model.chunks,
             _tensors(data, (*COMPUTE_KEYS, *routing.keys_in(data.batch, self.actor_cfg.moe.routing_replay))),
-            self.actor_cfg.ppo_micro_batch_size_per_gpu,
+            self.log_prob_micro_batch_size,
             temperature=self.rollout_cfg.temperature or 1.0,
             with_entropy=True,
             vocab_size=self.model.shape.vocab_size,

@@ -52,7 +52,7 @@ def test_forcing_a_skip_where_the_pass_is_needed_is_one_line():
     assert "the actor makes 2 optimizer steps per rollout" in message and "set it to null" in message
 
 
-def _train(out: Path, *overrides: str) -> list[dict]:
+def _train(out: Path, *overrides: str) -> tuple[list[dict], str]:
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "hybridrl", "train", "tiny_cpu.yaml",
            "trainer.n_gpus_per_node=2", "trainer.total_steps=2", "trainer.loggers=[jsonl]", "trainer.test_freq=2",
@@ -60,13 +60,19 @@ def _train(out: Path, *overrides: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    return [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    history = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return history, result.stdout
 
 
 @pytest.mark.multirank
 def test_skipping_the_pass_trains_as_if_it_ran(tmp_path):
-    skipped = _train(tmp_path / "skip")
-    scored = _train(tmp_path / "scored", "actor.recompute_old_log_prob=true")
+    """The scoring run also takes its 16 responses in micro-batches of 3 (actor.log_prob_micro_batch_size_per_gpu,
+    the training ones being 2): a size that splits the groups of rollout.n 2 and pads the last micro-batch."""
+    skipped, skipped_out = _train(tmp_path / "skip")
+    scored, scored_out = _train(tmp_path / "scored", "actor.recompute_old_log_prob=true",
+                                "actor.log_prob_micro_batch_size_per_gpu=3")  # fmt: skip
+    assert "old log-probs not scored (the update's own forward is the old policy)" in skipped_out
+    assert "old log-probs of 16 responses in 6 micro-batches of 3 per DP rank" in scored_out
     assert [h["step"] for h in skipped] == [h["step"] for h in scored]
     steps = [(a, b) for a, b in zip(skipped, scored, strict=True) if a["step"] > 0]
     assert len(steps) == 2
