@@ -83,7 +83,7 @@ def _native_extension():
                 warnings.warn(f"hybridrl: skipping the optional extension {ext.name}: {exc}", stacklevel=1)
 
     csrc = ROOT / "csrc"
-    sources = ["csrc/reshard_cpu.cpp", "csrc/bindings.cpp"]
+    sources = ["csrc/reshard_cpu.cpp", "csrc/shm_barrier.cpp", "csrc/bindings.cpp"]
     cxx = ["-O3", "-fopenmp"]
     want_cuda = torch.cuda.is_available() or os.environ.get("HYBRIDRL_BUILD_CUDA") == "1"
     # A CUDA build needs a CUDA build of torch (the CPU wheel has no libc10_cuda) and nvcc.

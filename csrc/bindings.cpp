@@ -10,9 +10,11 @@
 // back, which synchronizes). Bounds are checked here too, so a bad plan raises instead of corrupting memory.
 #include <torch/extension.h>
 
+#include <tuple>
 #include <vector>
 
 #include "reshard.h"
+#include "shm_barrier.h"
 
 #ifdef HYBRIDRL_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -108,15 +110,40 @@ void block_scatter(const torch::Tensor& src, const std::vector<torch::Tensor>& d
   run(src, dsts, host_plan(plan, 4), 1);
 }
 
+// hybridrl_shm_barrier over an int64 CPU tensor of counters (a view of a shared mapping), without the GIL while it
+// waits (other Python threads of the rank go on). Returns (code, peer): code 0 ok, 1 timeout, 2 peer gone.
+std::tuple<int64_t, int64_t> shm_barrier(const torch::Tensor& counters, int64_t stride, int64_t rank, int64_t round,
+                                         double timeout_s, const std::vector<int64_t>& pids) {
+  const auto world = static_cast<int64_t>(pids.size());
+  TORCH_CHECK(counters.is_cpu() && counters.scalar_type() == torch::kInt64 && counters.is_contiguous(),
+              "shm_barrier needs a contiguous int64 CPU tensor of counters, got ", counters.scalar_type(), " ",
+              counters.device());
+  TORCH_CHECK(stride >= 1 && world >= 1 && rank >= 0 && rank < world && counters.numel() >= world * stride,
+              "shm_barrier: rank ", rank, " of ", world, " with stride ", stride, " needs ", world * stride,
+              " counters, got ", counters.numel());
+  int64_t* c = counters.data_ptr<int64_t>();
+  int64_t peer = -1;
+  int64_t code;
+  {
+    pybind11::gil_scoped_release no_gil;
+    code = hybridrl_shm_barrier(c, stride, world, rank, round, timeout_s, pids.data(), &peer);
+  }
+  return {code, peer};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "hybridrl reshard kernels (csrc/): block copies from a flat buffer into one or many destinations";
+  m.doc() = "hybridrl native code (csrc/): the reshard block copies and the shared-memory barrier";
   m.def("block_copy", &block_copy, "Copy plan's blocks (src_offset, dst_offset, length) from src into dst",
         py::arg("src"), py::arg("dst"), py::arg("plan"));
   m.def("block_scatter", &block_scatter,
         "Copy plan's blocks (src_offset, dst_index, dst_offset, length) from src into dsts[dst_index]",
         py::arg("src"), py::arg("dsts"), py::arg("plan"));
+  m.def("shm_barrier", &shm_barrier,
+        "Barrier of one host's processes over shared-memory counters: (code, peer), code 0 ok, 1 timeout, 2 peer gone",
+        py::arg("counters"), py::arg("stride"), py::arg("rank"), py::arg("round"), py::arg("timeout_s"),
+        py::arg("pids"));
 #ifdef HYBRIDRL_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

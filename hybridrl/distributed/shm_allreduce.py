@@ -7,8 +7,14 @@ on CPU those transfers are most of what TP adds to a pass (``bench/tp_scaling.py
 the same reduction through one mapped file in ``/dev/shm``:
 
     round k:  slot[k % 2][rank] <- x           (each rank copies its tensor in)
-              barrier(group)                   (gloo: a few bytes; orders the copies before the reads)
+              barrier                          (orders the copies before the reads)
               x <- slot[0] + slot[1] + ... + slot[world-1]   (every rank, in rank order)
+
+The barrier is the native one of ``csrc/shm_barrier.cpp`` where the extension is built (each rank stores its round
+in a counter of the same mapping and watches its peers': a few microseconds when they arrive together), else gloo's
+``barrier`` on the group (about 0.6 ms on a 2-core machine, which made it most of a small model's all-reduce: 30%
+of the quickstart's update). The native wait ends in a ``torch.distributed.DistError``, as a gloo collective's
+would, when a peer's process exits or after the group's timeout (``trainer.collective_timeout_s``).
 
 Every rank sums the slots in the same order, so all ranks get bitwise the same result (for two ranks also the
 same bits as gloo's, since ``a + b == b + a`` in IEEE arithmetic). Two slot sets alternate between rounds: a
@@ -38,6 +44,8 @@ import torch.distributed as dist
 SHM_DIR = "/dev/shm"
 SLOT_BYTES = 8 << 20
 """Bytes of one rank's slot (per slot set): a tensor larger than this is reduced in pieces, one barrier each."""
+COUNTER_STRIDE = 8
+"""int64 values per rank in the barrier's counter block after the slots: one 64-byte cache line each."""
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 PROFILE_LABEL = "hybridrl::shm_all_reduce"
 """``torch.profiler`` label of each call (``bench/tp_scaling.py --profile`` counts it as communication)."""
@@ -59,13 +67,20 @@ class ShmAllReduce:
     Build it with :func:`create` (collective over ``group``), not directly.
     """
 
-    def __init__(self, group: dist.ProcessGroup, storage: torch.Tensor, slot_bytes: int) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, storage: torch.Tensor, slot_bytes: int, pids: list[int], native: object = None
+    ) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.slot_bytes = slot_bytes
-        self._slots = storage.view(2, self.world, slot_bytes)  # uint8: viewed as each tensor's dtype per round
+        slots = 2 * self.world * slot_bytes
+        self._slots = storage[:slots].view(2, self.world, slot_bytes)  # uint8: viewed as each tensor's dtype per round
+        self._counters = storage[slots:].view(torch.int64)  # the native barrier's: rank r's round at r * stride
+        self._pids = pids
+        self._native = native  # the extension module with ``shm_barrier``; None: gloo's barrier
         self._round = 0
+        self._barriers = 0
         self.stats = ShmStats()
 
     def accepts(self, tensor: torch.Tensor, op: object = dist.ReduceOp.SUM) -> bool:
@@ -86,7 +101,7 @@ class ShmAllReduce:
                 piece = flat[begin : begin + per_slot]
                 slots = self._next_slots(flat.dtype, piece.numel())
                 slots[self.rank].copy_(piece)
-                dist.barrier(group=self.group)
+                self._barrier()
                 torch.add(slots[0], slots[1], out=piece)
                 for other in range(2, self.world):
                     piece.add_(slots[other])
@@ -105,7 +120,7 @@ class ShmAllReduce:
                 piece = flat[begin : begin + per_slot]
                 slots = self._next_slots(flat.dtype, piece.numel())
                 slots[self.rank].copy_(piece)
-                dist.barrier(group=self.group)
+                self._barrier()
                 for other in range(self.world):
                     out[other * n + begin : other * n + begin + piece.numel()].copy_(slots[other])
         return output
@@ -124,13 +139,29 @@ class ShmAllReduce:
                 width = min(per_block, n - begin)
                 slots = self._next_slots(flat.dtype, self.world * width).view(self.world, self.world, width)
                 slots[self.rank].copy_(blocks[:, begin : begin + width])  # every block's piece: one per peer
-                dist.barrier(group=self.group)
+                self._barrier()
                 mine = slots[:, self.rank]  # (world, width): each rank's contribution to this rank's block
                 piece = out[begin : begin + width]
                 torch.add(mine[0], mine[1], out=piece)
                 for other in range(2, self.world):
                     piece.add_(mine[other])
         return output
+
+    def _barrier(self) -> None:
+        """Every rank of the group has written its slots of this round (module docs)."""
+        if self._native is None:
+            dist.barrier(group=self.group)
+            return
+        self._barriers += 1
+        timeout = self.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        code, peer = self._native.shm_barrier(self._counters, COUNTER_STRIDE, self.rank, self._barriers, timeout,
+                                              self._pids)  # fmt: skip
+        if code == 0:
+            return
+        who = f"rank {dist.get_global_rank(self.group, peer)} (pid {self._pids[peer]})"
+        if code == 2:  # "Connection closed by peer": the words hybridrl.errors knows a lost peer by, as gloo's
+            raise dist.DistError(f"shared-memory all-reduce: Connection closed by peer: {who} has exited")
+        raise dist.DistError(f"shared-memory all-reduce: Timed out waiting {timeout * 1000:.0f}ms for {who}")
 
     def _next_slots(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The next round's slot set as ``(world, numel)`` of ``dtype`` (sets alternate: module docs)."""
@@ -192,7 +223,7 @@ def create(group: dist.ProcessGroup, slot_bytes: int = SLOT_BYTES) -> ShmAllRedu
     world = dist.get_world_size(group)
     if world < 2 or not _same_host(group):
         return None
-    size = 2 * world * slot_bytes
+    size = 2 * world * slot_bytes + world * COUNTER_STRIDE * 8
     root = dist.get_global_rank(group, 0)
     path = [_make_file(size) if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(path, src=root, group=group)
@@ -208,4 +239,18 @@ def create(group: dist.ProcessGroup, slot_bytes: int = SLOT_BYTES) -> ShmAllRedu
         os.unlink(path[0])
     if not ok:
         return None
-    return ShmAllReduce(group, storage, slot_bytes)
+    pids: list[int] = [0] * world
+    dist.all_gather_object(pids, os.getpid(), group=group)
+    native = _native_barrier()
+    if not _all_ok(native is not None, group):  # one kind of barrier for all: else each would wait for the other
+        native = None
+    return ShmAllReduce(group, storage, slot_bytes, pids, native)
+
+
+def _native_barrier() -> object | None:
+    """The extension module when it has the shared-memory barrier (``HYBRIDRL_NATIVE``: built on first use unless
+    0), else None (gloo's barrier)."""
+    from hybridrl.ops import _native
+
+    module = _native.native_module()
+    return module if module is not None and hasattr(module, "shm_barrier") else None

@@ -1,4 +1,5 @@
-"""Finding the native reshard extension: the installed ``hybridrl._reshard``, else a JIT build of ``csrc/``.
+"""Finding the native extension (the reshard kernels, the shared-memory barrier): the installed
+``hybridrl._reshard``, else a JIT build of ``csrc/``.
 
 ``pip install -e .`` builds in an isolated environment without torch, so the extension is usually not installed;
 an editable checkout then compiles ``csrc/`` on first use with ``torch.utils.cpp_extension.load`` (about a minute
@@ -51,7 +52,7 @@ def _jit_build() -> ModuleType:
 
     if not (CSRC / "bindings.cpp").exists():
         raise RuntimeError(f"hybridrl._reshard is not installed and {CSRC} (the sources) is absent")
-    sources = [CSRC / "reshard_cpu.cpp", CSRC / "bindings.cpp"]
+    sources = [CSRC / "reshard_cpu.cpp", CSRC / "shm_barrier.cpp", CSRC / "bindings.cpp"]
     cflags = ["-O3", "-fopenmp"]
     with_cuda = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
     name = build_name(CSRC, with_cuda)
@@ -61,7 +62,7 @@ def _jit_build() -> ModuleType:
     try:  # a first build takes a minute or two: say why the process pauses (torch's cache folder, private API)
         folder = cpp_extension._get_build_directory(name, False)
         if not os.path.isfile(os.path.join(folder, f"{name}.so")):
-            print(f"[hybridrl] building the reshard kernel from csrc/ (once; cached in {folder})", file=sys.stderr,
+            print(f"[hybridrl] building the native code of csrc/ (once; cached in {folder})", file=sys.stderr,
                   flush=True)  # fmt: skip
     except Exception:  # only the message is lost; the build below is what matters
         pass
@@ -133,7 +134,8 @@ def _load_or_warn() -> ModuleType | None:
     except Exception as exc:  # any build failure (no compiler, no ninja, compile error) means: use the reference
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         warnings.warn(
-            f"hybridrl native reshard kernel unavailable, using the PyTorch reference ({first_line}); "
+            f"hybridrl native code (csrc/) unavailable: the weight switch uses the PyTorch reference and "
+            f"shared-memory all-reduces gloo's barrier ({first_line}); "
             "set HYBRIDRL_NATIVE=1 to see the error, 0 to silence this",
             RuntimeWarning,
             stacklevel=3,

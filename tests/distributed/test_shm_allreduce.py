@@ -66,7 +66,7 @@ def _gather_scatter_checks(comm, g: torch.Generator) -> list[bool]:
     return checks
 
 
-def _collective_body(rank: int, world: int) -> dict:
+def _collective_body(rank: int, world: int, barrier: str) -> dict:
     import os
     import random
     import time
@@ -77,16 +77,19 @@ def _collective_body(rank: int, world: int) -> dict:
     from hybridrl.distributed.env import LaunchError
     from hybridrl.mcore import cpu_compat
 
+    if barrier == "gloo":
+        os.environ["HYBRIDRL_NATIVE"] = "0"  # no native code: the slots' rounds are ordered by gloo's barrier
     groups = {"world3": None, "pair": dist.new_group([0, 1]), "single": dist.new_group([2])}
     pids: list = [None] * world
     dist.all_gather_object(pids, os.getpid())
-    out: dict = {"created": {}}
+    out: dict = {"created": {}, "native": []}
     for name, group in groups.items():
         in_group = group is None or dist.get_rank(group) >= 0
         comm = shm_allreduce.create(group or dist.group.WORLD, slot_bytes=4096) if in_group else None
         out["created"][name] = comm is not None
         if comm is None:
             continue
+        out["native"].append(comm._native is not None)
         g = torch.Generator().manual_seed(rank)
         checks = []
         for numel, dtype in ((1, torch.float32), (1023, torch.float32), (5 * 1024 + 3, torch.float32),
@@ -137,9 +140,14 @@ def _collective_body(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def collective():
-    return run_ranks(_collective_body, 3, timeout=300)
+@pytest.fixture(scope="module", params=["native", "gloo"])
+def collective(request):
+    """One 3-rank launch per barrier between a round's copies and reads: ``csrc/shm_barrier.cpp`` (the default
+    where the extension builds) and gloo's (``HYBRIDRL_NATIVE=0``)."""
+    out = run_ranks(_collective_body, 3, request.param, timeout=300)
+    for r in out:
+        assert r["native"] and all(n == (request.param == "native") for n in r["native"]), r["native"]
+    return out
 
 
 def test_sum_equals_the_gathered_sum_on_every_rank(collective):
@@ -260,6 +268,62 @@ def _update_body(rank: int, world: int, path: str, batch: dict) -> dict:
     out["grad_scale"] = max(g.abs().max().item() for g in grads_tp1.values())
     out["same_keys"] = sorted(grads_shm) == sorted(grads_tp1)
     return out
+
+
+def _lost_peer_body(rank: int, world: int) -> dict:
+    """Rank 0 calls the all-reduce while rank 1 (a) sleeps past the group's 2 s timeout, (b) has exited."""
+    import datetime
+    import os
+    import time
+
+    import psutil
+    import torch.distributed as dist
+
+    from hybridrl.distributed import shm_allreduce
+    from hybridrl.errors import is_peer_failure
+
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+    comm = shm_allreduce.create(group, slot_bytes=4096)
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    out: dict = {"native": comm._native is not None, "pid1": pids[1]}
+    if rank == 1:
+        time.sleep(3.5)
+        comm(torch.ones(8))  # rank 0 has arrived (and given up): this round passes
+        dist.barrier()
+        return out
+    start = time.monotonic()
+    try:
+        comm(torch.ones(8))
+    except Exception as err:  # the test looks at what it is
+        out["timeout"] = (type(err).__name__, str(err), is_peer_failure(err), time.monotonic() - start)
+    dist.barrier()  # rank 1 is done with its round: it returns, and its process exits (a zombie till reaped)
+    peer = psutil.Process(pids[1])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and peer.is_running() and peer.status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.05)
+    start = time.monotonic()
+    try:
+        comm(torch.ones(8))
+    except Exception as err:  # the test looks at what it is
+        out["gone"] = (type(err).__name__, str(err), is_peer_failure(err), time.monotonic() - start)
+    return out
+
+
+def test_a_lost_peer_ends_the_wait_with_a_peer_failure():
+    """The native barrier's two ways out, as a gloo collective's: the group's timeout (a stopped peer) and, within
+    about 50 ms, a peer whose process has exited (here a zombie its parent has not reaped yet); both raise what
+    ``hybridrl.errors`` reports as a peer that stopped answering."""
+    r0, r1 = run_ranks(_lost_peer_body, 2, timeout=120)
+    assert r0["native"] and r1["native"], "the native barrier was not used (the extension did not build here)"
+    name, message, peer_failure, took = r0["timeout"]
+    assert name == "DistError" and peer_failure, message
+    assert message == f"shared-memory all-reduce: Timed out waiting 2000ms for rank 1 (pid {r0['pid1']})"
+    assert 1.9 < took < 3.0, took
+    name, message, peer_failure, took = r0["gone"]
+    assert name == "DistError" and peer_failure, message
+    assert message == f"shared-memory all-reduce: Connection closed by peer: rank 1 (pid {r0['pid1']}) has exited"
+    assert took < 1.0, took
 
 
 @pytest.fixture(scope="module")
