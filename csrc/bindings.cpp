@@ -113,7 +113,7 @@ void block_scatter(const torch::Tensor& src, const std::vector<torch::Tensor>& d
 // hybridrl_shm_barrier over an int64 CPU tensor of counters (a view of a shared mapping), without the GIL while it
 // waits (other Python threads of the rank go on). Returns (code, peer): code 0 ok, 1 timeout, 2 peer gone.
 std::tuple<int64_t, int64_t> shm_barrier(const torch::Tensor& counters, int64_t stride, int64_t rank, int64_t round,
-                                         double timeout_s, const std::vector<int64_t>& pids) {
+                                         double timeout_s, double spin_us, const std::vector<int64_t>& pids) {
   const auto world = static_cast<int64_t>(pids.size());
   TORCH_CHECK(counters.is_cpu() && counters.scalar_type() == torch::kInt64 && counters.is_contiguous(),
               "shm_barrier needs a contiguous int64 CPU tensor of counters, got ", counters.scalar_type(), " ",
@@ -126,7 +126,7 @@ std::tuple<int64_t, int64_t> shm_barrier(const torch::Tensor& counters, int64_t 
   int64_t code;
   {
     pybind11::gil_scoped_release no_gil;
-    code = hybridrl_shm_barrier(c, stride, world, rank, round, timeout_s, pids.data(), &peer);
+    code = hybridrl_shm_barrier(c, stride, world, rank, round, timeout_s, spin_us, pids.data(), &peer);
   }
   return {code, peer};
 }
@@ -143,7 +143,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shm_barrier", &shm_barrier,
         "Barrier of one host's processes over shared-memory counters: (code, peer), code 0 ok, 1 timeout, 2 peer gone",
         py::arg("counters"), py::arg("stride"), py::arg("rank"), py::arg("round"), py::arg("timeout_s"),
-        py::arg("pids"));
+        py::arg("spin_us"), py::arg("pids"));
 #ifdef HYBRIDRL_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -9,10 +9,11 @@
 // its later reads and writes after every peer's arrival. So a peer's slot is read only once it is complete, and a
 // slot set is rewritten only after every peer has moved past the round that read it.
 //
-// Waiting: a short spin (the peers usually arrive within microseconds when each has a core), then sched_yield
-// (the core goes to another runnable thread: more ranks than cores), then naps of 50 us. The wait ends with an
-// error when a peer's process is gone (checked every 50 ms: a dead peer never arrives) or after timeout_s
-// (a stopped or hung peer), like a gloo collective's timeout.
+// Waiting: a spin of spin_us microseconds (the peers usually arrive within microseconds when each has a core; the
+// caller passes 0 where ranks outnumber cores, since the spin would take the core of the rank it waits for), then
+// sched_yield (the core goes to another runnable thread), then naps of 50 us. The wait ends with an error when a
+// peer's process is gone (checked every 50 ms: a dead peer never arrives) or after timeout_s (a stopped or hung
+// peer), like a gloo collective's timeout.
 #include "shm_barrier.h"
 
 #include <sched.h>
@@ -34,8 +35,7 @@ static inline void cpu_relax() {}
 
 namespace {
 
-constexpr int64_t kSpins = 4000;   // pause instructions before the first yield (tens of microseconds)
-constexpr int64_t kYields = 2000;  // yields before napping
+constexpr int64_t kYields = 2000;  // yields before napping (a yield with nothing else to run: about a microsecond)
 constexpr long kNapNs = 50000;     // one nap
 constexpr double kCheckS = 0.05;   // between looks at the peers' processes
 
@@ -61,22 +61,26 @@ bool process_alive(int64_t pid) {
 }  // namespace
 
 extern "C" int64_t hybridrl_shm_barrier(int64_t* counters, int64_t stride, int64_t world, int64_t rank, int64_t round,
-                                        double timeout_s, const int64_t* pids, int64_t* peer_out) {
+                                        double timeout_s, double spin_us, const int64_t* pids, int64_t* peer_out) {
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
   __atomic_store_n(counters + rank * stride, round, __ATOMIC_SEQ_CST);
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
+  const auto spin_end = start + std::chrono::duration<double, std::micro>(spin_us);
   auto next_check = start + std::chrono::duration<double>(kCheckS);
+  bool spinning = spin_us > 0;
+  int64_t yields = 0;
   for (int64_t peer = 0; peer < world; ++peer) {
     if (peer == rank) continue;
-    int64_t waits = 0;
+    int64_t spins = 0;
     while (__atomic_load_n(counters + peer * stride, __ATOMIC_ACQUIRE) < round) {
-      ++waits;
-      if (waits < kSpins) {
+      if (spinning) {
         cpu_relax();
+        if ((++spins & 63) == 0 && clock::now() >= spin_end) spinning = false;
         continue;
       }
-      if (waits < kSpins + kYields) {
+      if (yields < kYields) {
+        ++yields;
         sched_yield();
       } else {
         const timespec nap{0, kNapNs};

@@ -11,9 +11,10 @@ extern "C" {
 
 // Round `round` (1, 2, ... : every rank counts its calls) of a barrier of `world` processes: counters[r * stride]
 // is rank r's last round (int64, in memory all of them map, zero at first). Publishes this rank's arrival, then
-// waits until every peer's counter reaches `round`. pids[r]: rank r's process id (<= 0: unknown). Returns one of
-// the HYBRIDRL_BARRIER_* codes; *peer_out is the peer it was waiting for when it gave up (-1 on success).
+// waits until every peer's counter reaches `round`: spinning for spin_us microseconds, then yielding the core.
+// pids[r]: rank r's process id (<= 0: unknown, only the timeout applies). Returns one of the HYBRIDRL_BARRIER_*
+// codes; *peer_out is the peer it was waiting for when it gave up (-1 on success).
 int64_t hybridrl_shm_barrier(int64_t* counters, int64_t stride, int64_t world, int64_t rank, int64_t round,
-                             double timeout_s, const int64_t* pids, int64_t* peer_out);
+                             double timeout_s, double spin_us, const int64_t* pids, int64_t* peer_out);
 
 }  // extern "C"

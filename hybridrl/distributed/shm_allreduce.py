@@ -46,6 +46,8 @@ SLOT_BYTES = 8 << 20
 """Bytes of one rank's slot (per slot set): a tensor larger than this is reduced in pieces, one barrier each."""
 COUNTER_STRIDE = 8
 """int64 values per rank in the barrier's counter block after the slots: one 64-byte cache line each."""
+SPIN_US = 20.0
+"""Microseconds the native barrier spins before yielding its core, where each rank of the host has a core."""
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 PROFILE_LABEL = "hybridrl::shm_all_reduce"
 """``torch.profiler`` label of each call (``bench/tp_scaling.py --profile`` counts it as communication)."""
@@ -74,11 +76,14 @@ class ShmAllReduce:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.slot_bytes = slot_bytes
-        slots = 2 * self.world * slot_bytes
-        self._slots = storage[:slots].view(2, self.world, slot_bytes)  # uint8: viewed as each tensor's dtype per round
-        self._counters = storage[slots:].view(torch.int64)  # the native barrier's: rank r's round at r * stride
+        counters = _counters_offset(self.world, slot_bytes)
+        self._slots = storage[: 2 * self.world * slot_bytes].view(2, self.world, slot_bytes)  # viewed per round
+        self._counters = storage[counters:].view(torch.int64)  # the native barrier's: rank r's round at r * stride
         self._pids = pids
         self._native = native  # the extension module with ``shm_barrier``; None: gloo's barrier
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self._spin_us = SPIN_US if self.world <= cores else 0.0  # more ranks than cores: yield at once
+        self._failed: str | None = None
         self._round = 0
         self._barriers = 0
         self.stats = ShmStats()
@@ -153,15 +158,18 @@ class ShmAllReduce:
             dist.barrier(group=self.group)
             return
         self._barriers += 1
-        timeout = self.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        timeout = _group_timeout_s(self.group)  # read each time: apply_collective_timeout may change it
         code, peer = self._native.shm_barrier(self._counters, COUNTER_STRIDE, self.rank, self._barriers, timeout,
-                                              self._pids)  # fmt: skip
+                                              self._spin_us, self._pids)  # fmt: skip
         if code == 0:
             return
-        who = f"rank {dist.get_global_rank(self.group, peer)} (pid {self._pids[peer]})"
+        pid = f"pid {self._pids[peer]}" if self._pids[peer] > 0 else "its pid unknown here"
+        who = f"rank {dist.get_global_rank(self.group, peer)} ({pid})"
         if code == 2:  # "Connection closed by peer": the words hybridrl.errors knows a lost peer by, as gloo's
-            raise dist.DistError(f"shared-memory all-reduce: Connection closed by peer: {who} has exited")
-        raise dist.DistError(f"shared-memory all-reduce: Timed out waiting {timeout * 1000:.0f}ms for {who}")
+            self._failed = f"shared-memory all-reduce: Connection closed by peer: {who} has exited"
+        else:
+            self._failed = f"shared-memory all-reduce: Timed out waiting {timeout * 1000:.0f}ms for {who}"
+        raise dist.DistError(self._failed)
 
     def _next_slots(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The next round's slot set as ``(world, numel)`` of ``dtype`` (sets alternate: module docs)."""
@@ -171,6 +179,8 @@ class ShmAllReduce:
     @contextlib.contextmanager
     def _call(self, whole: torch.Tensor) -> Iterator[None]:
         """One collective: labelled for the profiler and counted in :attr:`stats` (``whole``: its whole tensor)."""
+        if self._failed is not None:  # a peer may still read the slots this call would write first: never go on
+            raise dist.DistError(self._failed)
         with torch.profiler.record_function(PROFILE_LABEL):
             start = time.perf_counter()
             yield
@@ -180,7 +190,25 @@ class ShmAllReduce:
 
     def close(self) -> None:
         """Drop the mapping (the file is already unlinked)."""
-        self._slots = None
+        self._slots = self._counters = None
+
+
+def _counters_offset(world: int, slot_bytes: int) -> int:
+    """Byte offset of the barrier's counters in the mapping: after both slot sets, at a 64-byte boundary."""
+    return -(-2 * world * slot_bytes // 64) * 64
+
+
+def _group_timeout_s(group: dist.ProcessGroup) -> float:
+    """The collective timeout of ``group``'s CPU backend (what a gloo collective on it would wait)."""
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def _pid_namespace() -> int:
+    """The inode of this process's PID namespace (0 where /proc does not tell)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _same_host(group: dist.ProcessGroup) -> bool:
@@ -223,7 +251,7 @@ def create(group: dist.ProcessGroup, slot_bytes: int = SLOT_BYTES) -> ShmAllRedu
     world = dist.get_world_size(group)
     if world < 2 or not _same_host(group):
         return None
-    size = 2 * world * slot_bytes + world * COUNTER_STRIDE * 8
+    size = _counters_offset(world, slot_bytes) + world * COUNTER_STRIDE * 8
     root = dist.get_global_rank(group, 0)
     path = [_make_file(size) if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(path, src=root, group=group)
@@ -239,9 +267,16 @@ def create(group: dist.ProcessGroup, slot_bytes: int = SLOT_BYTES) -> ShmAllRedu
         os.unlink(path[0])
     if not ok:
         return None
-    pids: list[int] = [0] * world
-    dist.all_gather_object(pids, os.getpid(), group=group)
+    ids: list[tuple[int, int]] = [(0, 0)] * world
+    dist.all_gather_object(ids, (os.getpid(), _pid_namespace()), group=group)
+    # a peer's pid means something here only within one PID namespace (containers sharing a host's /dev/shm may
+    # not share it): else the barrier cannot tell a gone peer and waits out the timeout, as gloo would
+    pids = [pid for pid, _ in ids] if len({ns for _, ns in ids}) == 1 else [0] * world
     native = _native_barrier()
+    try:
+        _group_timeout_s(group)
+    except Exception:  # torch's private accessor changed: keep gloo's barrier, which knows its own timeout
+        native = None
     if not _all_ok(native is not None, group):  # one kind of barrier for all: else each would wait for the other
         native = None
     return ShmAllReduce(group, storage, slot_bytes, pids, native)
