@@ -100,8 +100,10 @@ class ActorLoss:
         pg, metrics = out
         if self.weighted:
             pg = pg * batch["rollout_is_weights"].to(pg.dtype)
-        ent, ent_metrics = entropy_bonus(outputs["entropy"], mask, per_token=True)
-        loss = pg - self.entropy_coeff * ent
+        # without an entropy bonus the entropy is a metric only: detached, the head's backward skips its term
+        entropy = outputs["entropy"] if self.entropy_coeff else outputs["entropy"].detach()
+        ent, ent_metrics = entropy_bonus(entropy, mask, per_token=True)
+        loss = pg - self.entropy_coeff * ent if self.entropy_coeff else pg
         metrics = {**metrics, **ent_metrics}
         if self.on_policy:  # what the loop reads from the old-log-prob pass when there is one
             gap = (log_prob.detach() - batch["rollout_log_probs"].to(log_prob.dtype)).abs()

@@ -91,8 +91,8 @@ class LogProbHead:
         group = mpu.get_tensor_model_parallel_group()
         # the model output is read here only: its backward may overwrite it with its gradient (one fewer rows x V)
         logp, ent = vocab_parallel.log_probs_and_entropy(
-            logits, micro_batch["responses"], group, self.temperature, self.vocab_size, grad_into_logits=True
-        )
+            logits, micro_batch["responses"], group, self.temperature, self.vocab_size, True, self.with_entropy
+        )  # grad_into_logits, with_entropy
         return {"log_probs": logp, "entropy": ent} if self.with_entropy else {"log_probs": logp}
 
 

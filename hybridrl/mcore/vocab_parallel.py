@@ -66,31 +66,33 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, n_valid, temperature, grad_into_logits):
+    def forward(ctx, logits, target, group, vocab_start, n_valid, temperature, grad_into_logits, with_entropy):
         world = _group_size(group)
         local_vocab = logits.shape[-1]
         compute = torch.promote_types(logits.dtype, torch.float32)
         flat = logits.reshape(-1, local_vocab)[:, :n_valid]
         rows = flat.shape[0]
-        if n_valid > 0:  # max(l / T) = max(l) / T exactly (T > 0), in the compute dtype as x is
-            m = flat.max(dim=-1).values.to(compute)
-            if temperature != 1.0:
-                m = m / temperature
-        else:  # every column of this rank is vocabulary padding
-            m = torch.full((rows,), float("-inf"), dtype=compute, device=logits.device)
+        # one rank: each chunk's max is taken with its other passes, while the chunk is in cache; a TP group
+        # needs every row's global max (an all-reduce) before the first shift
+        m = torch.full((rows,), float("-inf"), dtype=compute, device=logits.device)  # all-padding columns: -inf
         if world > 1:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            if n_valid > 0:
+                _row_max(flat, temperature, compute, out=m)
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # every rank, its columns all padding or not
         local_t = target.reshape(-1) - vocab_start
         owned = (local_t >= 0) & (local_t < n_valid)
         idx = local_t.clamp(0, max(n_valid - 1, 0))
         stats = torch.zeros(3, rows, dtype=compute, device=logits.device)
         if n_valid > 0:
             for c in _chunks(rows, n_valid):
+                if world == 1:
+                    _row_max(flat[c], temperature, compute, out=m[c])
                 x = _shifted(flat[c], m[c], temperature, compute)
                 stats[2, c] = x.gather(-1, idx[c].unsqueeze(-1)).squeeze(-1) * owned[c]
                 e = x.exp()
                 stats[0, c] = e.sum(-1)
-                stats[1, c] = e.mul_(x).sum(-1)
+                if with_entropy:  # S: the entropy's one extra product and sum over the chunk
+                    stats[1, c] = e.mul_(x).sum(-1)
         if world > 1:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
         sum_e, sum_ex, x_target = stats.unbind(0)
@@ -101,7 +103,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         ctx.grad_into_logits = grad_into_logits
         ctx.set_materialize_grads(False)
         shape = logits.shape[:-1]
-        return (x_target - log_z).reshape(shape), (log_z - mean_x).reshape(shape)
+        return (x_target - log_z).reshape(shape), (log_z - mean_x).reshape(shape) if with_entropy else None
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
@@ -110,7 +112,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         local_vocab = logits.shape[-1]
         flat = logits.reshape(-1, local_vocab)
         rows = flat.shape[0]
-        nones = (None,) * 6
+        nones = (None,) * 7
         # the logits' memory, when the caller gave it up and no graph of this backward could still need it
         reuse = ctx.grad_into_logits and logits.is_contiguous() and not torch.is_grad_enabled()
         if grad_logp is None and grad_entropy is None:
@@ -146,6 +148,16 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         return grad.reshape(logits.shape), *nones
 
 
+def _row_max(logits: torch.Tensor, temperature: float, compute: torch.dtype, out: torch.Tensor) -> None:
+    """``max_j logits[:, j] / temperature`` in ``compute``, written into ``out`` ``(rows,)``: ``max(l) / T`` is
+    ``max(l / T)`` exactly (``T > 0``), so the division runs on the maxima, not the logits."""
+    maxima = logits.max(dim=-1).values
+    if temperature != 1.0:
+        torch.div(maxima.to(compute), temperature, out=out)
+    else:
+        out.copy_(maxima)
+
+
 def _shifted(
     logits: torch.Tensor, m: torch.Tensor, temperature: float, compute: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -164,7 +176,8 @@ def log_probs_and_entropy(
     temperature: float = 1.0,
     vocab_size: int | None = None,
     grad_into_logits: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of ``target`` and the entropy of the softmax, from this rank's vocabulary slice.
 
     Args:
@@ -177,6 +190,7 @@ def log_probs_and_entropy(
             ids ``>= vocab_size`` are left out of the softmax. ``None``: no padding.
         grad_into_logits: the backward writes the gradient into ``logits``' memory (contiguous logits, one
             backward); ``logits`` are not to be read after it (module docs). False: a new tensor.
+        with_entropy: False skips the entropy's pass over the logits and returns None in its place.
 
     Returns:
         ``(log_probs, entropy)``, each ``(...)`` fp32 (fp64 for fp64 logits), differentiable w.r.t. ``logits``.
@@ -191,7 +205,7 @@ def log_probs_and_entropy(
     if vocab_size is not None:
         n_valid = min(max(vocab_size - vocab_start, 0), local_vocab)
     return _VocabParallelLogProbEntropy.apply(
-        logits, target, group, vocab_start, n_valid, float(temperature), grad_into_logits
+        logits, target, group, vocab_start, n_valid, float(temperature), grad_into_logits, with_entropy
     )
 
 
@@ -206,7 +220,7 @@ def log_probs(
 
     See :func:`log_probs_and_entropy` for the arguments (``logits (..., V/tp)``, ``target (...)``).
     """
-    return log_probs_and_entropy(logits, target, group, temperature, vocab_size)[0]
+    return log_probs_and_entropy(logits, target, group, temperature, vocab_size, with_entropy=False)[0]
 
 
 def entropy(

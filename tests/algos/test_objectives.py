@@ -128,3 +128,26 @@ def test_critic_loss_is_the_clipped_value_loss():
     # 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, -0.5, 0.5) (PPO2 / Engstrom et al.)
     torch.testing.assert_close(loss, torch.tensor([[0.5 * 1.0, 0.5 * 1.5**2, 0.5 * 0.8**2, 0.0]]))
     assert "vf_clipfrac" in metrics and CriticLoss.inputs == ("values", "returns")
+
+
+@pytest.mark.parametrize("coeff", [0.0, 0.01])
+def test_entropy_takes_a_gradient_only_with_an_entropy_bonus(coeff):
+    """Without the bonus (``entropy_coeff: 0``, the default) the entropy is a metric: no gradient reaches it, so the
+    log-prob head's backward skips its term; the loss and the log-probs' gradient are those of
+    ``pg - 0 * H``, bitwise. With a bonus, ``-coeff`` per unmasked token reaches the entropy."""
+    cfg = ActorConfig(entropy_coeff=coeff, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
+    logp, ent = LOGP.clone().requires_grad_(), ENT.clone().requires_grad_()
+    loss, metrics = ActorLoss(cfg)({"log_probs": logp, "entropy": ent}, _batch())
+    loss.sum().backward()
+    assert metrics["entropy"].item() == pytest.approx(float(ENT[MASK.bool()].mean()))
+    if coeff == 0.0:
+        assert ent.grad is None
+        logp_before, ent_before = LOGP.clone().requires_grad_(), ENT.clone().requires_grad_()
+        pg, _ = ActorLoss(cfg)({"log_probs": logp_before, "entropy": ENT}, _batch())
+        before = pg - 0.0 * ent_before  # the former composition: the entropy times 0, kept in the graph
+        before.sum().backward()
+        assert torch.equal(loss.detach(), before.detach())
+        assert torch.equal(logp.grad, logp_before.grad)
+        assert torch.equal(ent_before.grad, torch.zeros_like(ENT))
+    else:
+        assert torch.equal(ent.grad, -coeff * MASK.to(ent.dtype))

@@ -99,3 +99,32 @@ def test_gradient_into_logits_fails_loudly_when_the_logits_are_needed_again():
     second, _ = vocab_parallel.log_probs_and_entropy(logits, target, grad_into_logits=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (first + second).sum().backward()
+
+
+@pytest.mark.parametrize("vocab_size", [None, VOCAB - 6])
+def test_without_entropy_is_bitwise_the_log_probs_and_gradient_of_the_full_head(vocab_size, monkeypatch):
+    """``with_entropy=False`` (the reference and old-log-prob passes) skips the entropy's pass and returns None for
+    it; the log-probs, and the gradient of a loss on them, are bitwise those of the head that also computes the
+    entropy, whether that entropy is left out of the loss or enters it times 0 (the actor loss before it detached
+    an unused entropy: then the backward ran the entropy's term)."""
+    monkeypatch.setattr(vocab_parallel, "CHUNK_ELEMENTS", 4 * VOCAB)
+    g = torch.Generator().manual_seed(7)
+    logits = 4 * torch.randn(ROWS, VOCAB, generator=g)
+    target = torch.randint(0, vocab_size or VOCAB, (ROWS,), generator=g)
+    w_lp = torch.randn(ROWS, generator=g)
+    results = {}
+    for mode in ("no_entropy", "entropy_unused", "entropy_times_0"):
+        x = logits.clone().requires_grad_(True)
+        lp, ent = vocab_parallel.log_probs_and_entropy(
+            x, target, None, TEMPERATURE, vocab_size, with_entropy=mode != "no_entropy"
+        )
+        loss = (w_lp * lp).sum() if mode != "entropy_times_0" else (w_lp * lp - 0.0 * ent).sum()
+        loss.backward()
+        results[mode] = (lp.detach(), ent, x.grad)
+    assert results["no_entropy"][1] is None
+    for mode in ("entropy_unused", "entropy_times_0"):
+        assert torch.equal(results["no_entropy"][0], results[mode][0]), mode
+        assert torch.equal(results["no_entropy"][2], results[mode][2]), mode
+    ref_lp, _, ref_grad = _reference(logits, target, vocab_size or VOCAB, w_lp, None)
+    assert (results["no_entropy"][0].double() - ref_lp).abs().max().item() < 1e-5
+    assert (results["no_entropy"][2].double() - ref_grad).abs().max().item() < 1e-6
