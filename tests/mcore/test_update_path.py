@@ -12,6 +12,8 @@
 - In that update the log-prob head's backward writes the logits' gradient into the logits' own memory
   (``grad_into_logits``, set by ``LogProbHead``): the gradient the output layer receives lies in the logits' storage
   (numerics against a fresh gradient: tests/mcore/test_vocab_chunks.py).
+- Without an entropy bonus the update's head gets no entropy gradient and skips that term of its backward; the
+  gradients equal those of the former ``pg - 0 * H`` bitwise.
 """
 
 from __future__ import annotations
@@ -139,3 +141,59 @@ def test_fused_adamw_and_the_logits_layout(tmp_path):
     assert seen["head_shape"][:2] == (rows, r), seen
     assert seen["head_storage"] == seen["layer_storage"], "the logits were copied between output layer and head"
     assert seen["grad_storage"] == seen["head_storage"], "the head's gradient was not written into the logits"
+
+
+def _entropy_body(rank: int, world_size: int, paths: dict, batch: dict) -> dict:
+    from hybridrl.algos.objectives import ActorLoss
+    from hybridrl.config.schema_roles import ActorConfig
+    from hybridrl.mcore import compute, roles
+    from tests.mcore.shards import init_layout
+
+    init_layout()
+    actor = roles.build_actor(paths["actor"])
+    params = [p for c in actor.chunks for p in c.parameters()]
+    objective = ActorLoss(ActorConfig(use_kl_loss=True, kl_loss_coef=0.1))  # entropy_coeff: 0, the default
+    assert objective.entropy_coeff == 0
+
+    def former(outputs, mb):  # the composition before: the entropy times 0, kept in the graph
+        loss, metrics = objective(outputs, mb)
+        return loss - 0.0 * outputs["entropy"], metrics
+
+    fn = vocab_parallel._VocabParallelLogProbEntropy
+    backward, branches = fn.backward, []
+
+    def recording(ctx, grad_logp, grad_entropy):
+        branches.append(grad_entropy is not None)
+        return backward(ctx, grad_logp, grad_entropy)
+
+    fn.backward = staticmethod(recording)
+    grads, losses, taken = [], [], []
+    try:
+        for loss_fn in (objective, former):
+            for p in params:
+                p.grad = None
+            branches.clear()
+            # the worker's head and call (ActorWorker.update_actor)
+            head = compute.LogProbHead(with_entropy=True, vocab_size=actor.shape.vocab_size)
+            out = compute.forward_backward(actor.chunks, batch, loss_fn, 4, head=head)
+            grads.append([p.grad.clone() for p in params])
+            losses.append(float(out.loss))
+            taken.append(sorted(set(branches)))
+    finally:
+        fn.backward = backward
+    same = all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    return {"same": same, "losses": losses, "taken": taken}
+
+
+def test_an_update_without_an_entropy_bonus_skips_the_entropys_gradient(tmp_path):
+    """With ``entropy_coeff: 0`` the trainer's objective and head (``ActorLoss``, ``LogProbHead(with_entropy=True)``)
+    hand the vocab head's backward no entropy gradient, so it takes the log-prob-only branch; the loss and every
+    parameter's gradient equal, bitwise, those of the former ``pg - 0 * H``, whose zero gradient ran the entropy
+    branch."""
+    batch = grpo_batch()
+    batch["ref_log_probs"] = batch["old_log_probs"] - 0.1
+    paths = {"actor": hf_tiny.make_checkpoint("llama", str(tmp_path / "actor"), seed=21)}
+    res = run_ranks(_entropy_body, 1, paths, batch, timeout=600)[0]
+    assert res["taken"] == [[False], [True]], res["taken"]
+    assert res["losses"][0] == res["losses"][1], res["losses"]
+    assert res["same"]
